@@ -1,0 +1,17 @@
+"""VRAMCut for ComfyUI: one "Max VRAM" budget, kept by block-level segmented execution.
+
+ComfyUI imports this folder as a package. The engine (``vramcut_core``) needs only torch; the
+ComfyUI adapter (``nodes``) is imported only when ComfyUI is there, so the engine imports and
+tests without the host.
+"""
+import importlib.util
+
+WEB_DIRECTORY = "./web"
+
+if importlib.util.find_spec("comfy") is not None:
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+else:
+    NODE_CLASS_MAPPINGS = {}
+    NODE_DISPLAY_NAME_MAPPINGS = {}
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

@@ -1,0 +1,239 @@
+import pytest
+import torch
+from torch import nn
+
+from toys import (Boom, BufferedStack, ExplodingStack, FluxLike, MixedDtypeStack, QuantStack, TiedStack,
+                  TransformerStack, UNetLike, assert_unchanged, seeded, snapshot)
+from vramcut_core import BudgetError, Engine, EngineConfig, find_units
+from vramcut_core.tensors import tensor_nbytes
+
+
+def ids(b=2, n=12, vocab=50, seed=0):
+    return torch.randint(0, vocab, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def cases():
+    g = torch.Generator().manual_seed(1)
+    return [
+        ("transformer", lambda: seeded(TransformerStack()), lambda: (ids(),)),
+        ("unet_skips", lambda: seeded(UNetLike()), lambda: (torch.randn(2, 4, 8, 8, generator=g), torch.rand(2, generator=g))),
+        ("flux_root_param", lambda: seeded(FluxLike()), lambda: (torch.randn(2, 5, 16, generator=g), torch.rand(2, generator=g))),
+        ("tied_weights", lambda: seeded(TiedStack()), lambda: (ids(),)),
+        ("buffers", lambda: seeded(BufferedStack()), lambda: (torch.randn(6, 8, generator=g),)),
+        ("fp8_bf16_fp16", lambda: MixedDtypeStack().eval(), lambda: (torch.randn(3, 32, generator=g),)),
+        ("tensor_subclass", lambda: QuantStack().eval(), lambda: (torch.randn(3, 16, generator=g),)),
+    ]
+
+
+def budget_for(model, *args, share=0.45):
+    """A budget below the model's weights, with room for the window (two slots of the largest
+    unit) and the activations a measured forward of ``args`` sees."""
+    us = find_units(model)
+    biggest = max(u.weight_bytes for u in us.units if not u.pinned)
+    pinned = sum(u.weight_bytes for u in us.units if u.pinned)
+    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cpu"))
+    with torch.no_grad():
+        probe.run(model, *(args or (ids(),)))
+    act = probe.last_plan.activation_reserve_bytes
+    return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
+
+
+@pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])
+def test_segmented_forward_is_bit_exact_within_budget_and_restores(name, build, inputs):
+    model = build()
+    args = inputs()
+    with torch.no_grad():
+        ref = model(*args)
+        snap = snapshot(model)
+        budget = budget_for(model, *args)
+        eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", track_cpu_memory=True))
+        with eng.session():
+            outs = [eng.run(model, *args) for _ in range(3)]
+        for o in outs:
+            assert torch.equal(o, ref), f"{name}: segmented output differs"
+        assert_unchanged(model, snap)
+        plan = eng.last_plan
+        assert plan.measured and plan.peak_bytes <= budget
+        assert plan.streamed_bytes_per_forward > 0, "the budget should force streaming"
+        assert eng.stats.peak_weight_bytes <= plan.resident_bytes + plan.window_bytes + _subclass_bytes(model)
+        assert eng.stats.peak_device_bytes <= budget, "measured peak (weights + activations) over budget"
+        assert eng.executor.device_bytes == 0, "device buffers must be released after the session"
+
+
+def _subclass_bytes(model):
+    return sum(tensor_nbytes(p) for p in model.parameters() if type(p) not in (torch.Tensor, nn.Parameter))
+
+
+def test_prefetch_streams_each_unit_once_per_forward_and_reuses_resident_weights():
+    model = seeded(TransformerStack(d=32, depth=8))
+    x = ids()
+    with torch.no_grad():
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model), device="cpu"))
+        with eng.session():
+            eng.run(model, x)           # measured forward
+            eng.run(model, x)
+            second = eng.last_stats
+            eng.run(model, x)
+            third = eng.last_stats
+    plan = eng.last_plan
+    assert plan.resident_units and plan.slots == 2
+    # from the third forward on, the first streamed unit was prefetched at the end of the last one
+    assert third.bytes_streamed == plan.streamed_bytes_per_forward
+    assert third.sync_loads == 0
+    assert second.bytes_streamed >= plan.streamed_bytes_per_forward
+
+
+def test_same_signature_plans_once_new_shape_plans_again():
+    model = seeded(TransformerStack())
+    calls = []
+    with torch.no_grad():
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model), device="cpu"),
+                     on_plan=lambda e, p, s: calls.append(p))
+        ref_small, ref_big = model(ids(n=8)), model(ids(b=3, n=20))
+        with eng.session():
+            a = eng.run(model, ids(n=8))
+            p1 = eng.last_plan
+            eng.run(model, ids(n=8))
+            assert eng.last_plan is p1
+            b = eng.run(model, ids(b=3, n=20))
+            p2 = eng.last_plan
+            c = eng.run(model, ids(n=8))
+            assert eng.last_plan is p1
+    assert len(calls) == 2 and p2 is not p1
+    assert torch.equal(a, ref_small) and torch.equal(c, ref_small) and torch.equal(b, ref_big)
+    big_act = max(u.peak_bytes for u in p2.units)
+    assert big_act > max(u.peak_bytes for u in p1.units), "a bigger input measures bigger activations"
+
+
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
+def test_exact_restore_after_exception_mid_segment(exc):
+    model = seeded(ExplodingStack(at=3))
+    x = ids()
+    with torch.no_grad():
+        ref = model(x)
+        snap = snapshot(model)
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model), device="cpu"))
+        with eng.session():
+            eng.run(model, x)
+            eng.run(model, x)
+            model.armed = True
+            if exc is KeyboardInterrupt:
+                def boom(*_):
+                    raise KeyboardInterrupt
+                h = model.blocks[3].fc2.register_forward_hook(boom)
+                model.armed = False
+            with pytest.raises(exc):
+                eng.run(model, x)
+            if exc is KeyboardInterrupt:
+                h.remove()
+            model.armed = False
+            assert_unchanged(model, snap)
+            for m in model.modules():
+                assert not m._forward_pre_hooks, "hooks must be removed"
+            again = eng.run(model, x)
+        assert torch.equal(again, ref)
+        assert_unchanged(model, snap)
+        assert eng.executor.device_bytes == 0
+
+
+class SkipRepeat(TransformerStack):
+    """Skips some blocks (skip-layer guidance) and runs one block twice."""
+
+    def __init__(self):
+        super().__init__(depth=6)
+        self.skip = set()
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for i, b in enumerate(self.blocks):
+            if i in self.skip:
+                continue
+            x = b(x)
+            if i == 1:
+                x = b(x)  # the same block again
+        x = self.blocks[0](x)  # and an early block after the later ones
+        return self.head(self.norm_out(x))
+
+
+def test_skipped_and_repeated_blocks_find_their_weights():
+    model = seeded(SkipRepeat())
+    x = ids()
+    with torch.no_grad():
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model, share=0.3), device="cpu"))
+        with eng.session():
+            assert torch.equal(eng.run(model, x), model(x))
+            model.skip = {2, 4}
+            ref = None
+            out = eng.run(model, x)
+            model_out = model(x)
+            assert torch.equal(out, model_out)
+            model.skip = set()
+            assert torch.equal(eng.run(model, x), model(x))
+
+
+def test_block_replace_wrappers_still_enter_the_unit():
+    model = seeded(TransformerStack())
+    x = ids()
+    orig = model.blocks[2].forward
+    model.blocks[2].forward = lambda h: orig(h) * 1.0  # a patch calling the original block
+    with torch.no_grad():
+        ref = model(x)
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model, share=0.3), device="cpu"))
+        with eng.session():
+            for _ in range(2):
+                assert torch.equal(eng.run(model, x), ref)
+
+
+def test_unit_that_cannot_fit_is_cut_finer():
+    model = seeded(TransformerStack(d=32, depth=4))
+    us = find_units(model)
+    block = us.by_name["blocks.0"].weight_bytes
+    x = ids()
+    with torch.no_grad():
+        ref = model(x)
+        eng = Engine(model, EngineConfig(budget_bytes=int(block * 1.6), device="cpu"))
+        with eng.session():
+            out = eng.run(model, x)
+            out2 = eng.run(model, x)
+    assert torch.equal(out, ref) and torch.equal(out2, ref)
+    assert "blocks.0" in eng.last_plan.split
+    assert any(u.name.startswith("blocks.0.") for u in eng.last_plan.units)
+    assert eng.last_plan.peak_bytes <= eng.config.budget_bytes
+
+
+def test_budget_below_anything_is_a_clear_error_and_loses_nothing():
+    model = seeded(TransformerStack(d=32, depth=4))
+    snap = snapshot(model)
+    eng = Engine(model, EngineConfig(budget_bytes=1024, device="cpu"))
+    with pytest.raises(BudgetError, match=r"too small: unit '.*' needs"):
+        with torch.no_grad():
+            eng.run(model, ids())
+    assert_unchanged(model, snap)
+
+
+def test_forward_outside_a_session_releases_buffers():
+    model = seeded(TransformerStack())
+    x = ids()
+    with torch.no_grad():
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model), device="cpu"))
+        eng.run(model, x)
+        assert eng.executor.device_bytes == 0
+        assert torch.equal(eng.run(model, x), model(x))
+        assert eng.executor.device_bytes == 0
+
+
+def test_replaced_parameters_are_picked_up():
+    model = seeded(TransformerStack())
+    x = ids()
+    with torch.no_grad():
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model), device="cpu"))
+        eng.run(model, x)
+        model.blocks[1].fc1.weight = nn.Parameter(model.blocks[1].fc1.weight * 2)  # a host swapping params
+        assert torch.equal(eng.run(model, x), model(x))
+
+
+def test_budget_config_validation():
+    with pytest.raises(ValueError, match="positive"):
+        EngineConfig(budget_bytes=0)
+    with pytest.raises(ValueError, match="positive"):
+        EngineConfig(budget_bytes=-5)

@@ -1,0 +1,167 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vramcut_core import BudgetError, PlanOptions, PlanUnit, build_plan, make_plan, plan_to_json, plan_to_text
+from vramcut_core.plan import _Infeasible, gib_to_bytes
+
+MB = 1 << 20
+
+
+def uniform(n=10, w=100 * MB, act=20 * MB, prelude=10 * MB):
+    units = [PlanUnit("prelude", prelude, act, act // 2)]
+    units += [PlanUnit(f"blocks.{i}", w, act, act // 2) for i in range(n)]
+    units.append(PlanUnit("final", prelude, act, act // 2))
+    return units
+
+
+def assert_well_formed(plan, units):
+    got = [i for s in plan.segments for i in s.units]
+    assert got == list(range(len(units))), "segments must cover every unit once, in order"
+    for s in plan.segments:
+        assert list(s.units) == list(range(s.units[0], s.units[-1] + 1)), "segments are contiguous"
+        assert s.peak_bytes <= plan.budget_bytes
+        if not s.resident:
+            assert len(s.units) == 1
+            assert units[s.units[0]].weight_bytes <= plan.slot_bytes
+    assert plan.peak_bytes <= plan.budget_bytes
+    assert plan.peak_bytes == plan.resident_bytes + plan.window_bytes + (plan.activation_reserve_bytes or 0)
+
+
+def test_everything_resident_when_it_fits():
+    units = uniform()
+    total = sum(u.weight_bytes for u in units)
+    plan = build_plan(units, total + 20 * MB)
+    assert len(plan.segments) == 1 and plan.segments[0].resident
+    assert plan.streamed_bytes_per_forward == 0 and plan.slots == 0
+    assert_well_formed(plan, units)
+
+
+def test_residency_keeps_as_much_as_fits_after_the_window():
+    units = uniform()
+    budget = 600 * MB
+    plan = build_plan(units, budget)
+    assert plan.slots == 2 and plan.slot_bytes == 100 * MB
+    # 600 - 2*100 (window) - 20 (activations) leaves 380 MiB: three blocks (largest first)
+    assert plan.resident_units == ("blocks.0", "blocks.1", "blocks.2")
+    assert plan.streamed_bytes_per_forward == 7 * 100 * MB + 2 * 10 * MB
+    assert_well_formed(plan, units)
+
+
+def test_no_residency_and_no_prefetch_switches():
+    units = uniform()
+    p = build_plan(units, 600 * MB, PlanOptions(residency=False))
+    assert p.resident_bytes == 0 and p.slots == 2
+    q = build_plan(units, 600 * MB, PlanOptions(prefetch=False))
+    assert q.slots == 1 and q.resident_bytes == 4 * 100 * MB
+
+
+def test_tight_budget_drops_prefetch_with_a_warning():
+    units = uniform()
+    plan = build_plan(units, 150 * MB)
+    assert plan.slots == 1 and plan.resident_bytes == 0
+    assert any("no room for prefetch" in w for w in plan.warnings)
+    assert_well_formed(plan, units)
+
+
+def test_pinned_units_are_always_resident():
+    units = uniform()
+    units[1] = PlanUnit("blocks.0", 100 * MB, 20 * MB, 10 * MB, pinned=True)
+    plan = build_plan(units, 350 * MB, PlanOptions(residency=False))
+    assert plan.resident_units == ("blocks.0",)
+
+
+def test_units_never_entered_are_not_counted_as_streamed_or_made_resident_first():
+    units = uniform(n=4)
+    units[2] = PlanUnit("blocks.1", 100 * MB, None, None, entered=False)
+    units = [PlanUnit(u.name, u.weight_bytes, u.peak_bytes or 0, u.entry_bytes or 0, entered=u.entered)
+             for u in units]
+    plan = build_plan(units, 340 * MB)
+    assert "blocks.1" not in plan.resident_units
+    assert "blocks.1" not in plan.streamed_order
+    assert plan.streamed_bytes_per_forward == sum(
+        u.weight_bytes for u in units if u.entered and u.name not in plan.resident_units)
+
+
+def test_infeasible_raises_clear_error_naming_unit_bytes_and_budget():
+    units = uniform()
+    with pytest.raises(BudgetError) as e:
+        make_plan(units, 110 * MB)
+    msg = str(e.value)
+    assert "blocks.0" in msg and "110.0 MiB" in msg and "120.0 MiB" in msg and "cannot be cut finer" in msg
+    assert e.value.unit == "blocks.0" and e.value.need_bytes == 120 * MB
+
+
+def test_finer_cut_splits_the_unit_that_does_not_fit():
+    units = uniform(n=3)
+    calls = []
+
+    def split(name):
+        calls.append(name)
+        if name.count(".") > 1:
+            return None
+        return [PlanUnit(f"{name}.{k}", 25 * MB, 20 * MB, 10 * MB) for k in range(4)]
+
+    plan = make_plan(units, 100 * MB, split_unit=split)
+    assert set(plan.split) == {"blocks.0", "blocks.1", "blocks.2"}
+    assert plan.slot_bytes == 25 * MB
+    assert [u.name for u in plan.units][1:5] == [f"blocks.0.{k}" for k in range(4)]
+    assert plan.peak_bytes <= 100 * MB
+    assert_well_formed(plan, list(plan.units))
+
+
+def test_a_pinned_set_over_budget_says_it_must_stay_resident():
+    units = [PlanUnit("shared", 200 * MB, 0, 0, pinned=True), PlanUnit("b", 10 * MB, 0, 0)]
+    with pytest.raises(BudgetError, match="must stay resident"):
+        make_plan(units, 100 * MB)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "x", float("nan"), None, float("inf")])
+def test_gib_to_bytes_rejects_nonsense(bad):
+    with pytest.raises(ValueError):
+        gib_to_bytes(bad)
+
+
+def test_make_plan_rejects_non_positive_budget():
+    with pytest.raises(ValueError):
+        make_plan(uniform(), 0)
+
+
+unit_lists = st.lists(
+    st.tuples(st.integers(1, 400), st.integers(0, 60), st.booleans()), min_size=1, max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(unit_lists, st.booleans(), st.booleans())
+def test_larger_budget_never_more_segments_or_more_streamed_bytes(rows, prefetch, residency):
+    units = [PlanUnit(f"u{i}", w * MB, a * MB, a * MB // 2, pinned=(p and i == 0)) for i, (w, a, p) in enumerate(rows)]
+    opts = PlanOptions(prefetch=prefetch, residency=residency)
+    prev = None
+    for budget in range(10 * MB, sum(u.weight_bytes for u in units) + 200 * MB, 23 * MB):
+        try:
+            plan = build_plan(units, budget, opts)
+        except _Infeasible:
+            assert prev is None, "a budget that fitted must keep fitting when it grows"
+            continue
+        assert_well_formed(plan, units)
+        if prev is not None:
+            assert len(plan.segments) <= len(prev.segments)
+            assert plan.streamed_bytes_per_forward <= prev.streamed_bytes_per_forward
+        prev = plan
+
+
+def test_report_json_keys_and_text():
+    units = uniform(n=4)
+    plan = build_plan(units, 400 * MB)
+    j = plan_to_json(plan)
+    json.dumps(j)
+    assert {"budget_bytes", "peak_bytes", "streamed_bytes_per_forward", "units", "segments"} <= set(j)
+    assert set(j["units"][0]) >= {"name", "weight_bytes", "activation_bytes"}
+    assert set(j["segments"][0]) >= {"name", "units", "weight_bytes", "activation_bytes", "peak_bytes", "resident"}
+    assert j["peak_bytes"] <= j["budget_bytes"]
+    unmeasured = build_plan([PlanUnit(u.name, u.weight_bytes) for u in units], 400 * MB)
+    assert all(u["activation_bytes"] is None for u in plan_to_json(unmeasured)["units"])
+    text = plan_to_text(plan)
+    assert "resident" in text and "streamed" in text and "budget 400.0 MiB" in text

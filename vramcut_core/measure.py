@@ -1,0 +1,196 @@
+"""Measured memory: input signatures and activation meters.
+
+Activation bytes are measured, never guessed from a factor. On CUDA the meter reads the caching
+allocator's statistics; on CPU it tracks the bytes of live tensors created by operators (a
+``TorchDispatchMode`` that adds each new storage and subtracts it when the storage dies), so the
+same planner runs in CPU tests. Either way the executor's own weight buffers are left out: the
+meter measures what the model's computation allocates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .tensors import tensor_nbytes
+
+
+def signature(args: tuple, kwargs: dict, max_depth: int = 4) -> tuple:
+    """A hashable fingerprint of the tensors in a call: their positions, shapes and dtypes.
+
+    Non-tensor values are left out (they do not change memory); nested lists, tuples and dicts
+    are searched a few levels deep (ComfyUI passes tensors inside ``transformer_options``).
+    """
+    out: list = []
+
+    def walk(path: str, v, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append((path, tuple(v.shape), str(v.dtype)))
+        elif depth < max_depth and isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{path}[{i}]", x, depth + 1)
+        elif depth < max_depth and isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(f"{path}.{k}", v[k], depth + 1)
+
+    for i, a in enumerate(args):
+        walk(f"arg{i}", a, 0)
+    for k in sorted(kwargs):
+        walk(k, kwargs[k], 0)
+    return tuple(out)
+
+
+def describe_signature(sig: tuple, limit: int = 3) -> str:
+    """Short text for a signature: the largest tensors' shapes and dtypes."""
+    big = sorted(sig, key=lambda e: -_numel(e[1]))[:limit]
+    return ", ".join(f"{p} {'x'.join(map(str, s))} {d.replace('torch.', '')}" for p, s, d in big)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclasses.dataclass
+class UnitMeasurement:
+    """What one unit did during a measured forward.
+
+    ``entry_bytes``: live activation bytes when the unit started (the cut tensors flowing in,
+    skip connections held for later units included). ``peak_bytes``: the most live activation
+    bytes while it ran. ``activation_bytes`` is the part the unit itself added.
+    """
+
+    entry_bytes: int
+    peak_bytes: int
+
+    @property
+    def activation_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.entry_bytes)
+
+
+class Meter:
+    """Live and peak activation bytes. Subclasses read them from a backend."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def live(self) -> int:
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def peak(self) -> int:
+        raise NotImplementedError
+
+
+class _LiveBytesMode(TorchDispatchMode):
+    """Counts the storages that operators create and that are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+        self._ignored: set[int] = set()
+
+    def ignore(self, t: torch.Tensor) -> None:
+        self._ignored.add(t.untyped_storage().data_ptr())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_in, _ = tree_flatten((args, kwargs))
+        in_ptrs = {a.untyped_storage().data_ptr() for a in flat_in
+                   if isinstance(a, torch.Tensor) and not a.is_meta and a.layout == torch.strided}
+        flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in in_ptrs or ptr in self._seen or ptr in self._ignored or ptr == 0:
+                continue  # a view or an in-place result: no new memory
+            n = st.nbytes()
+            self._seen.add(ptr)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._freed, ptr, n)
+        return out
+
+    def _freed(self, ptr: int, n: int) -> None:
+        self._seen.discard(ptr)
+        self.live -= n
+
+
+class CPUMeter(Meter):
+    """Live tensor bytes on CPU, tracked per operator (slow; used for measured forwards)."""
+
+    def __init__(self) -> None:
+        self._mode: _LiveBytesMode | None = None
+
+    def start(self) -> None:
+        self._mode = _LiveBytesMode()
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def paused(self):
+        """Context in which the executor's own copies and allocations are not counted."""
+        from torch.utils._python_dispatch import _disable_current_modes
+        return _disable_current_modes()
+
+    def live(self) -> int:
+        return self._mode.live if self._mode else 0
+
+    def reset_peak(self) -> None:
+        if self._mode:
+            self._mode.peak = self._mode.live
+
+    def peak(self) -> int:
+        return self._mode.peak if self._mode else 0
+
+
+class CUDAMeter(Meter):
+    """The caching allocator's allocated bytes, less the executor's own buffers."""
+
+    def __init__(self, device: torch.device, own_bytes) -> None:
+        self.device = device
+        self._own = own_bytes  # callable: bytes the executor holds on the device now
+
+    def start(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self) -> None:
+        pass
+
+    def paused(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def live(self) -> int:
+        return max(0, torch.cuda.memory_allocated(self.device) - self._own())
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self._own())
+
+
+def weight_bytes_of(tensors) -> int:
+    return sum(tensor_nbytes(t) for t in tensors)

@@ -1,0 +1,240 @@
+"""The budgeted segment plan.
+
+Pure data and free functions (no torch): ``PlanUnit`` rows in execution order go in, a ``Plan``
+comes out. The pipeline is: base plan (one segment per unit) -> choose residency under the budget
+-> merge the resident runs into segments. ``make_plan`` adds the finer cut (a unit too large for
+the budget is split into its children and planning starts again).
+
+The peak a plan promises is::
+
+    resident weights + window (slots x slot size) + activation reserve
+
+where the window is the segment running plus the one being prefetched (two slots, each the size
+of the largest streamed unit) and the activation reserve is the most live activation bytes any
+unit saw in a measured forward (cut tensors and skip connections included). Units are made
+resident in a fixed priority order (pinned first, units a measured forward never ran last,
+largest first, ties by execution order),
+as many as fit, so that a larger budget never streams more bytes and never gives more segments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+
+class BudgetError(ValueError):
+    """No plan fits the budget, even with every unit cut as fine as it goes."""
+
+    def __init__(self, unit: str, need_bytes: int, budget_bytes: int, detail: str = "") -> None:
+        from .tensors import fmt_bytes
+
+        self.unit, self.need_bytes, self.budget_bytes = unit, need_bytes, budget_bytes
+        msg = (f"VRAM budget {fmt_bytes(budget_bytes)} is too small: unit '{unit}' needs "
+               f"{fmt_bytes(need_bytes)} on the device")
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanUnit:
+    """One unit as the planner sees it. ``peak_bytes``/``entry_bytes`` are None when the
+    activations were not measured; ``entered`` is False for a unit a measured forward never ran
+    (the encoder during a VAE decode): it is never prefetched and never counted as streamed."""
+
+    name: str
+    weight_bytes: int
+    peak_bytes: int | None = None
+    entry_bytes: int | None = None
+    pinned: bool = False
+    entered: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A contiguous run of units (indices into ``Plan.units``) loaded together."""
+
+    units: tuple[int, ...]
+    resident: bool
+    weight_bytes: int
+    activation_bytes: int | None
+    peak_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    prefetch: bool = True   # two streaming slots: the next unit is copied while one computes
+    residency: bool = True  # keep as many units resident as fit
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    budget_bytes: int
+    units: tuple[PlanUnit, ...]
+    segments: tuple[Segment, ...]
+    slots: int            # 0 (all resident), 1 (no room for prefetch) or 2
+    slot_bytes: int
+    measured: bool
+    split: tuple[str, ...] = ()       # units that were cut finer to fit
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(s.weight_bytes for s in self.segments if s.resident)
+
+    @property
+    def window_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def activation_reserve_bytes(self) -> int | None:
+        return activation_reserve(self.units) if self.measured else None
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resident_bytes + self.window_bytes + (self.activation_reserve_bytes or 0)
+
+    @property
+    def streamed_bytes_per_forward(self) -> int:
+        return sum(self.units[i].weight_bytes for s in self.segments if not s.resident
+                   for i in s.units if self.units[i].entered)
+
+    @property
+    def resident_units(self) -> tuple[str, ...]:
+        return tuple(self.units[i].name for s in self.segments if s.resident for i in s.units)
+
+    @property
+    def streamed_order(self) -> tuple[str, ...]:
+        """Units that stream, in the order they are fetched."""
+        return tuple(self.units[i].name for s in self.segments if not s.resident
+                     for i in s.units if self.units[i].entered)
+
+    def segment_name(self, seg: Segment) -> str:
+        first, last = self.units[seg.units[0]].name, self.units[seg.units[-1]].name
+        return first if first == last else f"{first} … {last}"
+
+
+def activation_reserve(units: Sequence[PlanUnit]) -> int:
+    return max((u.peak_bytes or 0 for u in units), default=0)
+
+
+class _Infeasible(Exception):
+    def __init__(self, index: int | None, need: int) -> None:
+        self.index, self.need = index, need
+
+
+def _priority(units: Sequence[PlanUnit]) -> list[int]:
+    return sorted(range(len(units)), key=lambda i: (not units[i].pinned, not units[i].entered,
+                                                  -units[i].weight_bytes, i))
+
+
+def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOptions
+                     ) -> tuple[set[int], int, int]:
+    """Resident unit indices, slot count and slot size for the budget.
+
+    Raises ``_Infeasible`` with the unit that does not fit when even the tightest plan (pinned
+    units resident, one slot) is over the budget.
+    """
+    n = len(units)
+    act = activation_reserve(units)
+    order = _priority(units)
+    n_pinned = sum(1 for u in units if u.pinned)
+    # suffix max of weights in priority order: the slot size when the first k are resident
+    suffix = [0] * (n + 1)
+    for j in range(n - 1, -1, -1):
+        suffix[j] = max(suffix[j + 1], units[order[j]].weight_bytes)
+    prefix = [0] * (n + 1)
+    for j in range(n):
+        prefix[j + 1] = prefix[j] + units[order[j]].weight_bytes
+
+    def need(k: int, slots: int) -> int:
+        s = suffix[k]
+        return prefix[k] + (slots * s if k < n else 0) + act
+
+    last = n if options.residency else n_pinned
+    slots = 2 if options.prefetch else 1
+    best = None
+    for k in range(n_pinned, last + 1):
+        if need(k, slots) <= budget:
+            best = k
+    if options.residency and need(n, 0) <= budget:
+        best = n  # everything resident
+    if best is None and slots == 2 and need(n_pinned, 1) <= budget:
+        slots, best = 1, n_pinned  # tight: no room for prefetch, nothing beyond pinned resident
+    if best is None:
+        if n_pinned and prefix[n_pinned] + act > budget:
+            big = max(range(n), key=lambda i: (units[i].pinned, units[i].weight_bytes))
+            raise _Infeasible(big if units[big].pinned else None, prefix[n_pinned] + act)
+        streamed = order[n_pinned:]
+        big = max(streamed, key=lambda i: units[i].weight_bytes)
+        raise _Infeasible(big, need(n_pinned, 1))
+    resident = set(order[:best])
+    return resident, (slots if best < n else 0), suffix[best]
+
+
+def build_plan(units: Sequence[PlanUnit], budget: int, options: PlanOptions = PlanOptions(),
+               split: Sequence[str] = (), warnings: Sequence[str] = ()) -> Plan:
+    """Plan ``units`` (in execution order) under ``budget`` bytes; raises ``_Infeasible``."""
+    if not units:
+        return Plan(budget, (), (), 0, 0, False, tuple(split), tuple(warnings))
+    resident, slots, slot_bytes = choose_residency(units, budget, options)
+    measured = all(u.peak_bytes is not None for u in units)
+    fixed = sum(units[i].weight_bytes for i in resident) + slots * slot_bytes
+    segs: list[Segment] = []
+    run: list[int] = []
+
+    def seg_of(idx: list[int], res: bool) -> Segment:
+        w = sum(units[i].weight_bytes for i in idx)
+        a = max((units[i].peak_bytes for i in idx), default=0) if measured else None
+        return Segment(tuple(idx), res, w, a, fixed + (a or 0))
+
+    for i in range(len(units)):
+        if i in resident:
+            run.append(i)
+            continue
+        if run:
+            segs.append(seg_of(run, True))
+            run = []
+        segs.append(seg_of([i], False))
+    if run:
+        segs.append(seg_of(run, True))
+    notes = list(warnings)
+    if options.prefetch and slots == 1:
+        notes.append("budget leaves no room for prefetch: each streamed unit is copied, then run")
+    return Plan(budget, tuple(units), tuple(segs), slots, slot_bytes, measured, tuple(split), tuple(notes))
+
+
+def make_plan(units: list[PlanUnit], budget: int, options: PlanOptions = PlanOptions(),
+              split_unit: Callable[[str], list[PlanUnit] | None] | None = None,
+              warnings: Sequence[str] = ()) -> Plan:
+    """``build_plan`` with the finer cut: while a unit cannot fit, replace it by its parts
+    (``split_unit(name)`` returns them, or None when it cannot be cut). Raises ``BudgetError``."""
+    if not (isinstance(budget, int) and budget > 0):
+        raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+    split: list[str] = []
+    units = list(units)
+    while True:
+        try:
+            return build_plan(units, budget, options, split, warnings)
+        except _Infeasible as e:
+            parts = None
+            if e.index is not None and split_unit is not None and not units[e.index].pinned:
+                parts = split_unit(units[e.index].name)
+            if not parts:
+                name = units[e.index].name if e.index is not None else "pinned units"
+                detail = "cannot be cut finer"
+                if e.index is not None and units[e.index].pinned:
+                    detail = "it must stay resident"
+                raise BudgetError(name, e.need, budget, detail) from None
+            split.append(units[e.index].name)
+            units[e.index:e.index + 1] = parts
+
+
+def gib_to_bytes(gib) -> int:
+    """Parse a budget in GiB (number or text); raises ValueError for 0, negative, NaN, text."""
+    try:
+        v = float(gib)
+    except (TypeError, ValueError):
+        raise ValueError(f"budget must be a number of GiB, got {gib!r}") from None
+    if math.isnan(v) or math.isinf(v) or v <= 0:
+        raise ValueError(f"budget must be a positive number of GiB, got {gib!r}")
+    return int(v * 1024**3)

@@ -1,0 +1,108 @@
+"""The plan as a text table and as JSON (the JSON the node sends to the web UI)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from .plan import Plan
+from .tensors import fmt_bytes
+
+
+@dataclasses.dataclass
+class RunStats:
+    """What one segmented forward (or a session of them) did."""
+
+    forwards: int = 0
+    bytes_streamed: int = 0
+    copies: int = 0
+    sync_loads: int = 0        # streamed units that were not prefetched in time and loaded on entry
+    time_copy_s: float = 0.0
+    time_compute_s: float = 0.0
+    time_wait_s: float = 0.0
+    peak_device_bytes: int = 0        # measured: executor buffers + activations
+    peak_weight_bytes: int = 0        # exact: the executor's own device buffers
+
+    def add(self, other: "RunStats") -> None:
+        for f in ("forwards", "bytes_streamed", "copies", "sync_loads"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        for f in ("time_copy_s", "time_compute_s", "time_wait_s"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
+        self.peak_weight_bytes = max(self.peak_weight_bytes, other.peak_weight_bytes)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def plan_to_json(plan: Plan, stats: RunStats | None = None) -> dict:
+    """Keys are read by tools and the UI: keep them stable."""
+    out = {
+        "budget_bytes": plan.budget_bytes,
+        "peak_bytes": plan.peak_bytes,
+        "streamed_bytes_per_forward": plan.streamed_bytes_per_forward,
+        "resident_bytes": plan.resident_bytes,
+        "window_bytes": plan.window_bytes,
+        "slots": plan.slots,
+        "activation_reserve_bytes": plan.activation_reserve_bytes,
+        "measured": plan.measured,
+        "split": list(plan.split),
+        "warnings": list(plan.warnings),
+        "units": [
+            {"name": u.name, "weight_bytes": u.weight_bytes, "activation_bytes": u.peak_bytes,
+             "cut_in_bytes": u.entry_bytes, "pinned": u.pinned, "entered": u.entered}
+            for u in plan.units
+        ],
+        "segments": [
+            {"name": plan.segment_name(s), "units": [plan.units[i].name for i in s.units],
+             "weight_bytes": s.weight_bytes, "activation_bytes": s.activation_bytes,
+             "peak_bytes": s.peak_bytes, "resident": s.resident,
+             "idle": not any(plan.units[i].entered for i in s.units)}
+            for s in plan.segments
+        ],
+    }
+    if stats is not None:
+        out["stats"] = stats.to_json()
+    return out
+
+
+def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None) -> str:
+    """A fixed-width table: one row per segment, then the totals."""
+    rows = []
+    for n, s in enumerate(plan.segments):
+        where = "resident" if s.resident else ("idle" if not any(plan.units[i].entered for i in s.units)
+                                               else "streamed")
+        rows.append((str(n), plan.segment_name(s), str(len(s.units)), where,
+                     fmt_bytes(s.weight_bytes), fmt_bytes(s.activation_bytes), fmt_bytes(s.peak_bytes)))
+    head = ("#", "segment", "units", "where", "weights", "activation", "peak")
+    widths = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
+    widths[1] = min(widths[1], 48)
+
+    def line(r) -> str:
+        cells = [r[0].rjust(widths[0]), r[1][: widths[1]].ljust(widths[1]), r[2].rjust(widths[2]),
+                 r[3].ljust(widths[3])] + [r[c].rjust(widths[c]) for c in range(4, 7)]
+        return "  ".join(cells)
+
+    out = [title] if title else []
+    out += [line(head), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    act = plan.activation_reserve_bytes
+    out.append("")
+    out.append(f"budget {fmt_bytes(plan.budget_bytes)} · peak {fmt_bytes(plan.peak_bytes)} = resident "
+               f"{fmt_bytes(plan.resident_bytes)} + window {plan.slots}×{fmt_bytes(plan.slot_bytes)} + "
+               f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
+    out.append(f"streamed per forward {fmt_bytes(plan.streamed_bytes_per_forward)} · "
+               f"{sum(1 for s in plan.segments if s.resident)} resident / "
+               f"{sum(1 for s in plan.segments if not s.resident)} streamed segments")
+    if plan.split:
+        out.append("cut finer to fit: " + ", ".join(plan.split))
+    for w in plan.warnings:
+        out.append(f"warning: {w}")
+    if stats is not None and stats.forwards:
+        out.append(f"measured: {stats.forwards} forward(s), streamed {fmt_bytes(stats.bytes_streamed)}, "
+                   f"peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f}s, "
+                   f"wait {stats.time_wait_s:.3f}s, compute {stats.time_compute_s:.3f}s")
+    return "\n".join(out)
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=2)

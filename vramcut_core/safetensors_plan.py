@@ -1,0 +1,124 @@
+"""Plan a model from its safetensors header alone (no weights read).
+
+Blocks are discovered from numbered key prefixes: ``double_blocks.7.img_attn.qkv.weight`` belongs
+to unit ``double_blocks.7``; ``model.diffusion_model.input_blocks.4.1.proj.weight`` to
+``model.diffusion_model.input_blocks.4``. For each key the outermost numbered list with at least
+``MIN_BLOCKS`` entries is its block list (so ``conditioner.embedders.0`` is not taken for a block
+list, but the encoder layers inside it are). Everything else goes to a prelude or final unit of its
+component. Activations are not measured: the plan is a weight-only plan.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import struct
+
+from .plan import PlanUnit
+
+MIN_BLOCKS = 3
+_MAX_HEADER = 512 * 1024 * 1024
+_FINAL_WORDS = ("final", "norm_out", "conv_out", "out.", "head", "proj_out", "norm.", "ln_f", "final_layer")
+
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+               "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class HeaderError(ValueError):
+    """The file is not a readable safetensors file."""
+
+
+def read_header(path: str) -> dict:
+    """The safetensors header: ``{key: {dtype, shape, data_offsets}}`` (metadata dropped)."""
+    if not os.path.exists(path):
+        raise HeaderError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise HeaderError(f"{path}: is a directory, not a safetensors file")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise HeaderError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        if n <= 0 or n > _MAX_HEADER or 8 + n > size:
+            raise HeaderError(f"{path}: not a safetensors file (bad header length)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise HeaderError(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise HeaderError(f"{path}: not a safetensors file (header is not a JSON object)")
+    header.pop("__metadata__", None)
+    data = size - 8 - n
+    for k, v in header.items():
+        try:
+            a, b = v["data_offsets"]
+            ok = 0 <= a <= b <= data and isinstance(v["dtype"], str)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise HeaderError(f"{path}: not a safetensors file (bad entry for {k!r})")
+    return header
+
+
+_NUM = re.compile(r"\.(\d+)(?=\.)")
+
+
+def group_keys(keys) -> tuple[list[str], dict[str, str]]:
+    """Unit names in order, and the unit of each key."""
+    keys = list(keys)
+    # distinct indices per list prefix
+    counts: dict[str, set[int]] = collections.defaultdict(set)
+    for k in keys:
+        for m in _NUM.finditer(k):
+            counts[k[: m.start()]].add(int(m.group(1)))
+    unit_of: dict[str, str] = {}
+    lists: dict[str, str] = {}  # unit -> its list prefix
+    for k in keys:
+        unit = None
+        for m in _NUM.finditer(k):
+            prefix = k[: m.start()]
+            if len(counts[prefix]) >= MIN_BLOCKS:
+                unit = k[: m.end()]
+                lists[unit] = prefix
+                break
+        unit_of[k] = unit or ""
+    # keys outside blocks: prelude / final of the component (the text before the first list)
+    components: dict[str, int] = {}
+    for k in keys:
+        if unit_of[k]:
+            comp = lists[unit_of[k]].rsplit(".", 1)[0] if "." in lists[unit_of[k]] else ""
+            components.setdefault(comp, len(components))
+    for k in keys:
+        if unit_of[k]:
+            continue
+        comp = max((c for c in components if c and k.startswith(c + ".")), key=len, default="")
+        rest = k[len(comp) + 1:] if comp else k
+        where = "final" if any(w in rest for w in _FINAL_WORDS) else "prelude"
+        unit_of[k] = f"{comp}.{where}" if comp else where
+
+    list_rank: dict[str, int] = {}
+    for u in lists:
+        list_rank.setdefault(lists[u], len(list_rank))
+
+    def sort_key(u: str):
+        lst = lists.get(u)
+        if lst is not None:
+            return (list_rank[lst], 1, int(u.rsplit(".", 1)[1]))
+        comp = u.rsplit(".", 1)[0] if "." in u else ""
+        ranks = [r for p, r in list_rank.items() if not comp or p.startswith(comp + ".")]
+        rank = (min(ranks) if u.endswith("prelude") else max(ranks)) if ranks else 0
+        return (rank, 0 if u.endswith("prelude") else 2, 0)
+
+    return sorted(set(unit_of.values()), key=sort_key), unit_of
+
+
+def plan_units_from_header(header: dict) -> list[PlanUnit]:
+    order, unit_of = group_keys(header)
+    nbytes: dict[str, int] = collections.Counter()
+    for k, v in header.items():
+        a, b = v["data_offsets"]
+        nbytes[unit_of[k]] += b - a
+    return [PlanUnit(u, nbytes[u]) for u in order if nbytes[u] > 0]

@@ -1,0 +1,57 @@
+"""Byte counting and small tensor helpers shared by the engine.
+
+Every byte figure the planner uses comes from here, so weights are counted one way everywhere.
+"""
+from __future__ import annotations
+
+import torch
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Offsets of tensors inside the executor's flat buffers are aligned to this many bytes, so that
+# a byte view can be reinterpreted as any dtype (and CUDA kernels get aligned pointers).
+ALIGN = 256
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def is_plain_tensor(t: torch.Tensor) -> bool:
+    """True for ordinary dense tensors (Parameter included); False for tensor subclasses
+    (quantized weights and the like), which the executor moves one by one with `.to()`."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes a tensor really occupies.
+
+    Plain tensors: elements times element size (dtype-aware: fp8 is one byte). A tensor
+    subclass that wraps other tensors (``__tensor_flatten__``, the convention of quantized
+    weight types) is counted by its inner tensors; any other subclass by its storage.
+    """
+    if is_plain_tensor(t) or t.is_meta:
+        return t.numel() * t.element_size()
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:
+        try:
+            names, _ = flatten()
+            return sum(tensor_nbytes(getattr(t, n)) for n in names)
+        except Exception:  # a subclass whose flatten needs more context: fall back to storage
+            pass
+    try:
+        return t.untyped_storage().nbytes()
+    except Exception:
+        return t.numel() * t.element_size()
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Human-readable size: GiB above 1 GiB, MiB above 1 MiB, else KiB."""
+    if n is None:
+        return "—"
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if abs(n) >= MIB:
+        return f"{n / MIB:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
