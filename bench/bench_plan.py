@@ -1,0 +1,65 @@
+"""Planning speed: a 60-unit model, weight-only and measured plans, and the header planner on a
+24 GB file. Target: well under a second each. Run: python bench/bench_plan.py"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import tempfile
+import time
+
+from vramcut_core import PlanUnit, make_plan
+from vramcut_core.safetensors_plan import plan_units_from_header, read_header
+
+MB = 1 << 20
+
+
+def best_of(fn, repeat=20):
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def units60(measured: bool):
+    rows = [PlanUnit("prelude", 40 * MB, 300 * MB if measured else None, 10 * MB if measured else None)]
+    rows += [PlanUnit(f"blocks.{i}", (200 + (i % 3) * 20) * MB, (300 + i) * MB if measured else None,
+                      50 * MB if measured else None) for i in range(58)]
+    rows.append(PlanUnit("final", 20 * MB, 100 * MB if measured else None, 50 * MB if measured else None))
+    return rows
+
+
+def main() -> int:
+    results = {}
+    for measured in (False, True):
+        units = units60(measured)
+        for gib in (3, 6, 12):
+            t = best_of(lambda: make_plan(units, gib << 30))
+            results[f"plan_60_units_{'measured' if measured else 'weights'}_{gib}gib_ms"] = t * 1e3
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "big.safetensors")
+        header, off = {}, 0
+        for i in range(57):
+            for part in range(8):
+                n = 3072 * 3072 * 4
+                header[f"blocks.{i}.p{part}.weight"] = {"dtype": "F32", "shape": [3072, 3072], "data_offsets": [off, off + n]}
+                off += n
+        raw = json.dumps(header).encode()
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            f.truncate(8 + len(raw) + off)
+        t = best_of(lambda: make_plan(plan_units_from_header(read_header(path)), 8 << 30), repeat=5)
+        results["header_plan_%.0fgb_ms" % (off / 1e9)] = t * 1e3
+    for k, v in results.items():
+        print(f"{k:42s} {v:8.2f} ms")
+    worst = max(results.values())
+    print(f"worst {worst:.2f} ms ({'OK' if worst < 1000 else 'OVER'} the 1 s target)")
+    return 0 if worst < 1000 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
