@@ -1,0 +1,295 @@
+"""Patched clones of MODEL, CLIP, VAE, upscale models and CLIP vision.
+
+Each returns a new object that runs its network through a VRAMCut engine; the object passed in
+(and every other clone of it) behaves exactly as before. The networks are shared with the
+original, as ComfyUI clones always share them: VRAMCut changes nothing on them outside a call,
+and inside a call it only points parameters at device copies and back.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+import comfy.sd
+from comfy.patcher_extension import WrappersMP
+
+from ..vramcut_core import find_units
+from .host import KEY, NodeReport, PatchState, Settings, VRAMCutError, plain_patcher, to_vramcut_patcher
+
+
+# ----------------------------------------------------------------------------------------------
+# MODEL
+
+
+class _ApplyModelWrapper:
+    """APPLY_MODEL wrapper: the diffusion model's forward runs segmented. The engine keeps its
+    device buffers for the whole sampling run; ON_CLEANUP (end of sampling, Cancel included)
+    releases them."""
+
+    def __init__(self, state: PatchState) -> None:
+        self.state = state
+
+    def __call__(self, executor, *args, **kwargs):
+        base_model = executor.class_obj
+        module = base_model.diffusion_model
+        patcher = getattr(base_model, "current_patcher", None)
+        device = getattr(patcher, "load_device", None) or _device_of_inputs(args, kwargs)
+        engine = self.state.engine(module, device, keep_buffers=True)
+        return self.state.run(engine, executor, *args, **kwargs)
+
+
+def _device_of_inputs(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    raise VRAMCutError("cannot tell the compute device of this model call")
+
+
+def patch_model(model, settings: Settings, report: NodeReport):
+    """A patched clone of a ComfyUI ModelPatcher (MODEL)."""
+    state = PatchState("MODEL", settings, report)
+    clone = to_vramcut_patcher(model, state)
+    clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
+    clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _ApplyModelWrapper(state))
+    engine = state.engine(clone.model.diffusion_model, clone.load_device)
+    report.set("MODEL", engine, engine.weight_plan())
+    return clone
+
+
+# ----------------------------------------------------------------------------------------------
+# Calls on shared modules: wrapped for the duration of one call only
+
+
+@contextlib.contextmanager
+def _wrapped(obj, name: str, make):
+    """Set ``obj.<name>`` to ``make(original)`` for the block; the instance attribute is removed
+    (or the previous one put back) afterwards, whatever happens."""
+    had = name in obj.__dict__
+    prev = obj.__dict__.get(name)
+    original = getattr(obj, name)
+    setattr(obj, name, make(original))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, prev)
+        else:
+            delattr(obj, name)
+
+
+def _token_signature(tokens) -> tuple:
+    """Text encoders are planned per token shape: the encoders and their batch x length."""
+    if isinstance(tokens, dict):
+        return tuple((k, len(v), max((len(x) for x in v), default=0)) for k, v in sorted(tokens.items()))
+    return (("tokens", len(tokens), max((len(x) for x in tokens), default=0)),)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLIP
+
+
+class VRAMCutCLIP(comfy.sd.CLIP):
+    """A ComfyUI CLIP whose text encoders run segmented; stays patched through ``clone()``."""
+
+    _vramcut: PatchState
+
+    def clone(self, *args, **kwargs):
+        n = super().clone(*args, **kwargs)
+        n.__class__ = VRAMCutCLIP
+        n._vramcut = self._vramcut
+        return n
+
+    @contextlib.contextmanager
+    def _segmented(self):
+        state = self._vramcut
+        engine = state.engine(self.cond_stage_model, self.patcher.load_device)
+
+        def make(orig):
+            def encode_token_weights(token_weight_pairs, *a, **kw):
+                return state.run(engine, orig, token_weight_pairs, *a, sig=_token_signature(token_weight_pairs), **kw)
+            return encode_token_weights
+
+        with engine.session(), _wrapped(self.cond_stage_model, "encode_token_weights", make):
+            yield
+
+    def encode_from_tokens(self, tokens, *args, **kwargs):
+        with self._segmented():
+            return super().encode_from_tokens(tokens, *args, **kwargs)
+
+    def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
+        with self._segmented():
+            return super().encode_from_tokens_scheduled(tokens, *args, **kwargs)
+
+
+def _input_embedding_units(cond_stage_model: torch.nn.Module) -> tuple[str, ...]:
+    """Units holding the encoders' input embeddings stay resident: the encoders read the
+    embedding's device before any of their modules runs, to place the tokens."""
+    where = {id(m): q for q, m in cond_stage_model.named_modules()}
+    names = []
+    for m in cond_stage_model.modules():
+        get = getattr(m, "get_input_embeddings", None)
+        if callable(get):
+            try:
+                emb = get()
+            except Exception:  # an encoder without one
+                continue
+            if id(emb) in where:
+                names.append(where[id(emb)])
+    return tuple(dict.fromkeys(names))
+
+
+def patch_clip(clip, settings: Settings, report: NodeReport):
+    """A patched clone of a ComfyUI CLIP."""
+    base = clip.clone()
+    state = PatchState("CLIP", settings, report)
+    base.patcher = to_vramcut_patcher(base.patcher, state)
+    base.cond_stage_model = base.patcher.model
+    base.__class__ = VRAMCutCLIP
+    base._vramcut = state
+    emb_paths = _input_embedding_units(base.cond_stage_model)
+    state.pinned = tuple(u.name for u in find_units(base.cond_stage_model).units
+                         if any(q == p or q.startswith(p + ".") for p in emb_paths for q, _ in u.roots))
+    engine = state.engine(base.cond_stage_model, base.patcher.load_device)
+    report.set("CLIP", engine, engine.weight_plan())
+    return base
+
+
+# ----------------------------------------------------------------------------------------------
+# VAE
+
+
+class VRAMCutVAE(comfy.sd.VAE):
+    """A ComfyUI VAE whose encoder and decoder run segmented, activation-aware: a call whose
+    activations the budget cannot hold raises an out-of-memory error, and ComfyUI's own fallback
+    retries it tiled."""
+
+    _vramcut: PatchState
+
+    @contextlib.contextmanager
+    def _segmented(self):
+        state = self._vramcut
+        fsm = self.first_stage_model
+        engine = state.engine(fsm, self.patcher.load_device)
+
+        def make(orig):
+            def call(*a, **kw):
+                return state.run(engine, orig, *a, **kw)
+            return call
+
+        with engine.session(), _wrapped(fsm, "decode", make), _wrapped(fsm, "encode", make):
+            yield
+
+    def decode(self, *args, **kwargs):
+        with self._segmented():
+            return super().decode(*args, **kwargs)
+
+    def decode_tiled(self, *args, **kwargs):
+        with self._segmented():
+            return super().decode_tiled(*args, **kwargs)
+
+    def encode(self, *args, **kwargs):
+        with self._segmented():
+            return super().encode(*args, **kwargs)
+
+    def encode_tiled(self, *args, **kwargs):
+        with self._segmented():
+            return super().encode_tiled(*args, **kwargs)
+
+
+def _copy_as(obj, cls):
+    new = cls.__new__(cls)
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
+def patch_vae(vae, settings: Settings, report: NodeReport):
+    """A patched copy of a ComfyUI VAE (VAEs have no ``clone()``)."""
+    state = PatchState("VAE", settings, report)
+    new = _copy_as(vae, VRAMCutVAE)
+    new.patcher = to_vramcut_patcher(vae.patcher, state)
+    new.first_stage_model = new.patcher.model
+    new._vramcut = state
+    engine = state.engine(new.first_stage_model, new.patcher.load_device)
+    report.set("VAE", engine, engine.weight_plan())
+    return new
+
+
+# ----------------------------------------------------------------------------------------------
+# Upscale models and CLIP vision
+
+
+def patch_upscale_model(upscale_model, settings: Settings, report: NodeReport):
+    """A patched copy of a spandrel model descriptor (UPSCALE_MODEL). ComfyUI moves the
+    descriptor to the GPU before upscaling; the copy keeps its weights where they are and
+    streams them, and a budget too small for a tile makes ComfyUI retry with smaller tiles."""
+    state = PatchState("UPSCALE_MODEL", settings, report)
+    module = upscale_model.model
+    patcher = getattr(upscale_model, "patcher", None) or plain_patcher(module)
+    new = copy.copy(upscale_model)
+    new.__class__ = _upscale_class(type(upscale_model))
+    new._vramcut = state
+    new.patcher = to_vramcut_patcher(patcher, state)
+    new._vramcut_device = new.patcher.load_device
+    engine = state.engine(module, new.patcher.load_device)
+    report.set("UPSCALE_MODEL", engine, engine.weight_plan())
+    return new
+
+
+_UPSCALE: dict[type, type] = {}
+
+
+def _upscale_class(cls):
+    if getattr(cls, "_is_vramcut", False):
+        return cls
+    if cls not in _UPSCALE:
+        def to(self, *args, **kwargs):
+            dev = next((a for a in list(args) + list(kwargs.values())
+                        if isinstance(a, (str, torch.device))), None)
+            if dev is not None:
+                self._vramcut_device = torch.device(dev)
+            return self  # the weights stay on the host; the engine streams them
+
+        def __call__(self, *args, **kwargs):
+            state = self._vramcut
+            dev = self._vramcut_device if self._vramcut_device.type != "cpu" else self.patcher.load_device
+            engine = state.engine(self.model, dev)
+            with engine.session():
+                return state.run(engine, super(new_cls, self).__call__, *args, **kwargs)
+
+        new_cls = type(f"VRAMCut{cls.__name__}", (cls,), {"to": to, "__call__": __call__, "_is_vramcut": True})
+        _UPSCALE[cls] = new_cls
+    return _UPSCALE[cls]
+
+
+class _ClipVisionMixin:
+    def encode_image(self, *args, **kwargs):
+        state = self._vramcut
+        engine = state.engine(self.model, self.patcher.load_device)
+
+        def make(orig):
+            def forward(*a, **kw):
+                return state.run(engine, orig, *a, **kw)
+            return forward
+
+        with engine.session(), _wrapped(self.model, "forward", make):
+            return super().encode_image(*args, **kwargs)
+
+
+_CV: dict[type, type] = {}
+
+
+def patch_clip_vision(clip_vision, settings: Settings, report: NodeReport):
+    """A patched copy of a ComfyUI CLIP vision model (CLIP_VISION)."""
+    cls = type(clip_vision)
+    if not issubclass(cls, _ClipVisionMixin):
+        cls = _CV.setdefault(cls, type(f"VRAMCut{cls.__name__}", (_ClipVisionMixin, cls), {}))
+    state = PatchState("CLIP_VISION", settings, report)
+    new = _copy_as(clip_vision, cls)
+    new.patcher = to_vramcut_patcher(clip_vision.patcher, state)
+    new.model = new.patcher.model
+    new._vramcut = state
+    engine = state.engine(new.model, new.patcher.load_device)
+    report.set("CLIP_VISION", engine, engine.weight_plan())
+    return new

@@ -1,0 +1,53 @@
+"""ComfyUI tests: ComfyUI imported as a library on CPU, the pack imported as ComfyUI imports it
+(a package named after its folder), so its relative imports are the ones ComfyUI runs."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+import tiny_models as tm
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACK_NAME = "ComfyUI_VRAMCut"
+
+
+
+@pytest.fixture(scope="session")
+def comfy():
+    try:
+        return tm.import_comfy()
+    except tm.ComfyUINotFound as e:
+        pytest.skip(str(e))
+
+
+def load_pack():
+    if PACK_NAME in sys.modules:
+        return sys.modules[PACK_NAME]
+    spec = importlib.util.spec_from_file_location(PACK_NAME, os.path.join(REPO, "__init__.py"),
+                                                  submodule_search_locations=[REPO])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_NAME] = pack
+    spec.loader.exec_module(pack)
+    return pack
+
+
+@pytest.fixture(scope="session")
+def pack(comfy):
+    return load_pack()
+
+
+@pytest.fixture
+def max_vram(pack):
+    """Apply the Max VRAM node: ``max_vram(model=..., gb=...)`` -> (outputs, payload)."""
+
+    def apply(gb, model=None, clip=None, vae=None, node_id="1", **kw):
+        node = pack.NODE_CLASS_MAPPINGS["VRAMCutMaxVRAM"]()
+        opts = dict(budget_mode="fixed", reserve_gb=1.0, prefetch=True, residency=True) | kw
+        res = node.apply(gb, opts["budget_mode"], opts["reserve_gb"], opts["prefetch"], opts["residency"],
+                         model=model, clip=clip, vae=vae, unique_id=node_id)
+        return res["result"], res["ui"]["vramcut"][0]
+
+    return apply
