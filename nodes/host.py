@@ -178,8 +178,8 @@ def _any_weight_on(module: torch.nn.Module, device) -> bool:
 
 class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
     """A ModelPatcher that never puts weights on the GPU itself: every load is a low-VRAM load
-    with no weight budget, so LoRA and other weight patches are applied per forward by ComfyUI's
-    ops, and the weights stay on the offload device for the executor to stream. It tells
+    with no weight budget, so the weights stay on the offload device for the executor to stream;
+    LoRA and other weight patches are merged into them on the host as a full load would. It tells
     ComfyUI it needs the budget, not the full model size, so other models are not evicted for
     nothing. It is a plain ``ModelPatcher`` (never the host's dynamic-VRAM patcher), so newer
     ComfyUI does not offload this model on its own."""
@@ -196,8 +196,10 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         return 0
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
-        # one byte of weight budget: every module is set up for per-forward casting, none moved
-        return super().load(device_to, lowvram_model_memory=1, force_patch_weights=force_patch_weights,
+        # One byte of weight budget: every module is set up for per-forward casting, none moved.
+        # Weight patches (LoRA) are merged into the host weights once, exactly as a full load
+        # merges them (same precision, same rounding), instead of being recomputed every forward.
+        return super().load(device_to, lowvram_model_memory=1, force_patch_weights=True,
                             full_load=False, **kwargs)
 
     def model_size(self):

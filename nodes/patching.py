@@ -81,9 +81,9 @@ def _wrapped(obj, name: str, make):
 
 def _token_signature(tokens) -> tuple:
     """Text encoders are planned per token shape: the encoders and their batch x length."""
-    if isinstance(tokens, dict):
-        return tuple((k, len(v), max((len(x) for x in v), default=0)) for k, v in sorted(tokens.items()))
-    return (("tokens", len(tokens), max((len(x) for x in tokens), default=0)),)
+    items = sorted(tokens.items()) if isinstance(tokens, dict) else [("", tokens)]
+    return tuple((f"tokens.{k}" if k else "tokens", (len(v), max((len(x) for x in v), default=0)), "tokens")
+                 for k, v in items)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,6 +103,9 @@ class VRAMCutCLIP(comfy.sd.CLIP):
 
     @contextlib.contextmanager
     def _segmented(self):
+        if self.__dict__.get("_vramcut_active"):  # scheduled encodes call encode_from_tokens
+            yield
+            return
         state = self._vramcut
         engine = state.engine(self.cond_stage_model, self.patcher.load_device)
 
@@ -111,8 +114,12 @@ class VRAMCutCLIP(comfy.sd.CLIP):
                 return state.run(engine, orig, token_weight_pairs, *a, sig=_token_signature(token_weight_pairs), **kw)
             return encode_token_weights
 
-        with engine.session(), _wrapped(self.cond_stage_model, "encode_token_weights", make):
-            yield
+        self._vramcut_active = True
+        try:
+            with engine.session(), _wrapped(self.cond_stage_model, "encode_token_weights", make):
+                yield
+        finally:
+            self._vramcut_active = False
 
     def encode_from_tokens(self, tokens, *args, **kwargs):
         with self._segmented():
@@ -150,7 +157,7 @@ def patch_clip(clip, settings: Settings, report: NodeReport):
     base._vramcut = state
     emb_paths = _input_embedding_units(base.cond_stage_model)
     state.pinned = tuple(u.name for u in find_units(base.cond_stage_model).units
-                         if any(q == p or q.startswith(p + ".") for p in emb_paths for q, _ in u.roots))
+                         if any(p == q or p.startswith(q + ".") for p in emb_paths for q, _ in u.roots))
     engine = state.engine(base.cond_stage_model, base.patcher.load_device)
     report.set("CLIP", engine, engine.weight_plan())
     return base
