@@ -237,3 +237,44 @@ def test_budget_config_validation():
         EngineConfig(budget_bytes=0)
     with pytest.raises(ValueError, match="positive"):
         EngineConfig(budget_bytes=-5)
+
+
+class PerFrameDecoder(nn.Module):
+    """Runs its blocks once per frame, as the Wan VAE decoder does."""
+
+    def __init__(self, d=32, depth=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        frames = []
+        for t in range(x.shape[1]):
+            h = x[:, t]
+            for b in self.blocks:
+                h = torch.tanh(b(h))
+            frames.append(h)
+        return torch.stack(frames, 1)
+
+
+def test_a_forward_that_loops_keeps_its_units_resident_instead_of_resending_them():
+    model = seeded(PerFrameDecoder())
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    w = find_units(model).weight_bytes
+    with torch.no_grad():
+        ref = model(x)
+        roomy = Engine(model, EngineConfig(budget_bytes=w + (1 << 20), device="cpu"))
+        assert torch.equal(roomy.run(model, x), ref)
+        assert roomy.last_plan.streamed_bytes_per_forward == 0
+        assert all(u.calls == 5 for u in roomy.last_plan.units if u.name.startswith("blocks."))
+        # too tight to keep them: they stream, the plan says how often, and warns
+        block = find_units(model).by_name["blocks.0"].weight_bytes
+        act = roomy.last_plan.activation_reserve_bytes
+        tight = Engine(model, EngineConfig(budget_bytes=int(2.5 * block) + act, device="cpu"))
+        with tight.session():
+            assert torch.equal(tight.run(model, x), ref)
+            assert torch.equal(tight.run(model, x), ref)
+        plan = tight.last_plan
+        assert any("enters 4 units up to 5 times" in w for w in plan.warnings)
+        streamed_units = [u for u in plan.units if u.name in plan.streamed_order]
+        assert plan.streamed_bytes_per_forward == sum(u.weight_bytes * 5 for u in streamed_units)
+        assert tight.last_stats.bytes_streamed >= plan.streamed_bytes_per_forward - 2 * block
