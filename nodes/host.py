@@ -83,7 +83,8 @@ class NodeReport:
     def __init__(self, node_id: str | None, settings: Settings) -> None:
         self.node_id = node_id
         self.payload: dict = {"budget_bytes": int(settings.max_vram_gb * GIB) if settings.budget_mode == "fixed" else None,
-                              "enabled": settings.enabled, "message": None, "models": []}
+                              "enabled": settings.enabled, "message": None, "message_level": None,
+                              "models": []}
         self._index: dict[str, int] = {}
 
     def set(self, kind: str, engine: Engine, plan=None) -> None:
@@ -99,8 +100,11 @@ class NodeReport:
         self.send()
 
     def fail(self, message: str) -> None:
-        self.payload["message"] = message
+        self.payload["message"], self.payload["message_level"] = message, "error"
         self.send()
+
+    def notice(self, message: str) -> None:
+        self.payload["message"], self.payload["message_level"] = message, "notice"
 
     def send(self) -> None:
         if self.node_id is None:
@@ -147,11 +151,14 @@ class PatchState:
         return any(e.executor.running for e in self._engines.values())
 
     def release(self, *_args, **_kw) -> None:
-        """Give back every device buffer the engines hold (ComfyUI cannot see them)."""
+        """Give back every device buffer the engines hold (ComfyUI cannot see them), and show
+        what the run did on the node."""
         for e in list(self._engines.values()):
             if not e.executor.running:
                 e.keep_buffers(False)
                 e.release()
+                if e.last_plan is not None and e.stats.forwards:
+                    self.report.set(self.kind, e, e.last_plan)
 
     def run(self, engine: Engine, fn, *args, sig=None, **kwargs):
         """Run through the engine; a budget that cannot hold this call becomes an OOM error,

@@ -11,7 +11,7 @@ log = logging.getLogger("vramcut")
 
 _BUDGET_INPUTS = {
     "max_vram_gb": ("FLOAT", {
-        "default": 6.0, "min": 0.0, "max": 1024.0, "step": 0.25, "round": 0.01,
+        "default": 6.0, "min": 0.0, "max": 1024.0, "step": 0.05, "round": 0.001,
         "tooltip": "VRAM budget in GiB for each connected model's weights and activations. "
                    "0 turns VRAMCut off (the inputs pass through unchanged). With 'free VRAM minus "
                    "reserve' a value above 0 caps the budget."}),
@@ -20,7 +20,7 @@ _BUDGET_INPUTS = {
         "tooltip": "fixed: use max_vram_gb. free VRAM minus reserve: when a model first runs, take "
                    "the GPU's free memory less reserve_gb."}),
     "reserve_gb": ("FLOAT", {
-        "default": 1.0, "min": 0.0, "max": 1024.0, "step": 0.25, "round": 0.01,
+        "default": 1.0, "min": 0.0, "max": 1024.0, "step": 0.05, "round": 0.001,
         "tooltip": "With 'free VRAM minus reserve': GiB left free for other programs and ComfyUI."}),
     "prefetch": ("BOOLEAN", {
         "default": True,
@@ -48,7 +48,7 @@ def _apply(unique_id, kw, pairs):
         raise
     report = NodeReport(unique_id, settings)
     if not settings.enabled:
-        report.payload["message"] = "VRAMCut is off (max_vram_gb = 0): inputs pass through"
+        report.notice("VRAMCut is off (max_vram_gb = 0): inputs pass through")
         return [v for _, v, _ in pairs], report.payload
     out = []
     for kind, value, fn in pairs:
@@ -63,7 +63,7 @@ def _apply(unique_id, kw, pairs):
             log.error("VRAMCut: %s", msg)
             raise VRAMCutError(msg) from e
     if all(v is None for _, v, _ in pairs):
-        report.payload["message"] = "connect a model to see its plan"
+        report.notice("connect a model to see its plan")
     report.send()
     return out, report.payload
 
