@@ -54,6 +54,7 @@ class Engine:
         self.executor = SegmentedExecutor(self._lookup, config.device,
                                           track_cpu_memory=config.track_cpu_memory)
         self._plans: dict[tuple, Plan] = {}
+        self._failed: dict[tuple, BudgetError] = {}
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
@@ -89,6 +90,7 @@ class Engine:
         self._reset_units()
         if [u.name for u in self.unitset.units] != old:
             self._plans.clear()
+            self._failed.clear()
             self.measurements.clear()
 
     def _split(self, name: str, meas: dict[str, UnitMeasurement] | None) -> list[PlanUnit] | None:
@@ -102,12 +104,13 @@ class Engine:
                 meas[p.name] = parent  # a part needs at most what the whole unit needed
         return [self._plan_unit(p, meas) for p in parts]
 
-    def _plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None) -> PlanUnit:
+    def _plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, pin: bool = False) -> PlanUnit:
         m = meas.get(u.name) if meas is not None else None
         return PlanUnit(u.name, self.executor.unit_device_bytes(u.name),
                         None if meas is None else (m.peak_bytes if m else 0),
                         None if meas is None else (m.entry_bytes if m else 0),
-                        u.pinned, entered=meas is None or m is not None or u.kind == "shared")
+                        u.pinned or pin, entered=meas is None or m is not None or u.kind == "shared",
+                        calls=m.calls if m else 1)
 
     # -- plans -----------------------------------------------------------------------------
 
@@ -126,9 +129,24 @@ class Engine:
         names = [u.name for u in base.units]
         entered = [n for n in meas if n in self._all]
         order = entered + [n for n in names if n not in meas]
+        split = lambda n: self._split(n, meas)  # noqa: E731
+        looped = [n for n in entered if meas[n].calls > 1]
+        if looped and self.config.residency:
+            # A forward that loops over its units (a video VAE decoding frame by frame) would
+            # re-send streamed weights on every pass: keep the looped units resident if they fit.
+            units = [self._plan_unit(self._all[n], meas, pin=n in looped) for n in order]
+            try:
+                return make_plan(units, self.config.budget_bytes, self.config.options, split,
+                                 self.unitset.warnings)
+            except BudgetError:
+                pass
         units = [self._plan_unit(self._all[n], meas) for n in order]
-        return make_plan(units, self.config.budget_bytes, self.config.options,
-                         lambda n: self._split(n, meas), self.unitset.warnings)
+        notes = list(self.unitset.warnings)
+        if looped:
+            worst = max(meas[n].calls for n in looped)
+            notes.append(f"the forward enters {len(looped)} units up to {worst} times; what streams is "
+                         f"copied on every pass (a larger budget keeps them resident)")
+        return make_plan(units, self.config.budget_bytes, self.config.options, split, notes)
 
     def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> Plan | None:
         return self._plans.get(signature(args, kwargs or {}))
@@ -142,16 +160,33 @@ class Engine:
     def release(self) -> None:
         self.executor.release()
 
+    def keep_buffers(self, keep: bool) -> None:
+        """Hold device buffers between forwards (a host that ends runs with a callback)."""
+        self.executor.keep_buffers = keep
+        if not keep and not self.executor.running:
+            self.executor.release()
+
     def run(self, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)``, a forward of the module, segmented under the budget."""
+        return self.run_as(signature(args, kwargs), fn, *args, **kwargs)
+
+    def run_as(self, sig: tuple, fn: Callable, *args, **kwargs):
+        """``run`` with the input signature given (for calls whose inputs are not tensors yet,
+        such as a text encoder's token lists)."""
         self.revalidate()
-        sig = signature(args, kwargs)
+        failed = self._failed.get(sig)
+        if failed is not None:
+            raise failed
         plan = self._plans.get(sig)
         if plan is None:
             base = self._measuring_plan()
             out, stats, meas = self.executor.forward(base, fn, *args, measure=True, **kwargs)
             self.measurements[sig] = meas
-            plan = self._measured_plan(base, meas)
+            try:
+                plan = self._measured_plan(base, meas)
+            except BudgetError as e:
+                self._failed[sig] = e  # the same input will not fit next time either
+                raise
             self._plans[sig] = plan
             self._record(plan, sig, stats)
             if self.on_plan is not None:

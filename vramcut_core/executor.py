@@ -86,6 +86,11 @@ class _HostMaster:
             except Exception:
                 self.pinned = False
 
+    def backs(self, unit: Unit, layout: _Layout) -> bool:
+        """Do the unit's tensors still live in this buffer?"""
+        base = self.buf.data_ptr()
+        return all(unit.tensors[i].tensor.data_ptr() == base + off for i, off, _ in layout.flat)
+
     def release(self) -> None:
         """Unpin; the tensors keep living in the (now pageable) buffer."""
         if self.pinned:
@@ -136,6 +141,7 @@ class SegmentedExecutor:
         self.peak_weight_bytes = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._in_session = 0
+        self.keep_buffers = False   # hold device buffers between forwards until release()
         self._running = False
         # per-forward state
         self._plan: Plan | None = None
@@ -162,7 +168,7 @@ class SegmentedExecutor:
             yield self
         finally:
             self._in_session -= 1
-            if not self._in_session:
+            if not self._holding and not self._running:
                 self.release()
 
     def forward(self, plan: Plan, fn: Callable, *args, measure: bool = False, **kwargs):
@@ -206,7 +212,7 @@ class SegmentedExecutor:
             self._restore_all()
             self._current = self._last_streamed = None
             try:
-                if ok and plan.slots == 2 and self._in_session:
+                if ok and plan.slots == 2 and self._holding:
                     self._prefetch_first(plan)  # wrap around: ready for the next forward
                 if self.cuda:
                     end_ev = torch.cuda.Event(enable_timing=True)
@@ -225,8 +231,16 @@ class SegmentedExecutor:
                 self._meter = None
                 self._running = False
                 self._plan = None
-                if not self._in_session:
+                if not self._holding:
                     self.release()
+
+    @property
+    def _holding(self) -> bool:
+        return bool(self._in_session) or self.keep_buffers
+
+    @property
+    def running(self) -> bool:
+        return self._running
 
     def release(self) -> None:
         """Free every device buffer the executor holds; unpin host masters."""
@@ -327,11 +341,19 @@ class SegmentedExecutor:
         return lay.other_bytes
 
     def _master(self, name: str) -> _HostMaster | None:
+        """The flat host master of a streamed unit (CUDA only). None means: copy tensor by tensor
+        from where they are (CPU; tensors the host has already page-locked itself)."""
         if not self._pin:
             return None
+        unit, lay = self._unit(name), self.layout(name)
         m = self._masters.get(name)
+        if m is not None and not m.backs(unit, lay):
+            m.release()  # someone moved the tensors since (another engine, the host): rebuild
+            m = None
         if m is None:
-            m = self._masters[name] = _HostMaster(self._unit(name), self.layout(name))
+            if not lay.flat or any(unit.tensors[i].tensor.is_pinned() for i, _, _ in lay.flat):
+                return None
+            m = self._masters[name] = _HostMaster(unit, lay)
         return m
 
     def _load(self, name: str, buf: torch.Tensor, sync: bool) -> _DeviceCopy:
@@ -483,6 +505,9 @@ class SegmentedExecutor:
             if m is None:
                 self._meas[name] = UnitMeasurement(live, live)
                 self._order.append(name)
+            else:
+                m.calls += 1
+                m.entry_bytes = max(m.entry_bytes, live)
             self._meter.reset_peak()
         if name not in self._resident_names:
             slot = self._slot_of(name)

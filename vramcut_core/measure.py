@@ -67,6 +67,7 @@ class UnitMeasurement:
 
     entry_bytes: int
     peak_bytes: int
+    calls: int = 1  # separate entries in one forward (a video VAE runs its decoder per frame)
 
     @property
     def activation_bytes(self) -> int:

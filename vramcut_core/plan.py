@@ -47,6 +47,7 @@ class PlanUnit:
     entry_bytes: int | None = None
     pinned: bool = False
     entered: bool = True
+    calls: int = 1  # times a forward enters it; a streamed unit is copied that often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +96,8 @@ class Plan:
 
     @property
     def streamed_bytes_per_forward(self) -> int:
-        return sum(self.units[i].weight_bytes for s in self.segments if not s.resident
-                   for i in s.units if self.units[i].entered)
+        return sum(self.units[i].weight_bytes * self.units[i].calls for s in self.segments
+                   if not s.resident for i in s.units if self.units[i].entered)
 
     @property
     def resident_units(self) -> tuple[str, ...]:

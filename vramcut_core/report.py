@@ -49,7 +49,8 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None) -> dict:
         "warnings": list(plan.warnings),
         "units": [
             {"name": u.name, "weight_bytes": u.weight_bytes, "activation_bytes": u.peak_bytes,
-             "cut_in_bytes": u.entry_bytes, "pinned": u.pinned, "entered": u.entered}
+             "cut_in_bytes": u.entry_bytes, "pinned": u.pinned, "entered": u.entered,
+             "calls": u.calls}
             for u in plan.units
         ],
         "segments": [
