@@ -304,6 +304,7 @@ class SegmentedExecutor:
             if s.copy.unit in resident:
                 self._account(-self._other_bytes(s.copy))
                 s.copy = _DeviceCopy()
+        self._resident_names = resident
         for name in plan.resident_units:
             if name not in self._resident:
                 buf = self._alloc(self.layout(name).nbytes)
@@ -311,7 +312,6 @@ class SegmentedExecutor:
                 self._resident[name] = (buf, dc)
         while len(self._slots) < want_slots:
             self._slots.append(_Slot(self._alloc(plan.slot_bytes), _DeviceCopy()))
-        self._resident_names = resident
         order = plan.streamed_order
         nxt: dict[str, str | None] = {}
         # next streamed unit after each unit, in execution order (wrapping to the first)
@@ -368,10 +368,12 @@ class SegmentedExecutor:
         with ctx:
             stream_ctx = torch.cuda.stream(self._copy_stream) if self.cuda else contextlib.nullcontext()
             if self.cuda:
-                # The slot may still be read by kernels queued on the compute stream: the copy
-                # stream waits for them, or it would overwrite weights in use.
+                compute = torch.cuda.current_stream(self.device)
+                # The slot may still be read by kernels queued on the compute stream (or be
+                # memory the allocator just recycled from them): the copy stream waits for
+                # them, or it would overwrite data in use.
                 ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
+                ev.record(compute)
                 ev_start = torch.cuda.Event(enable_timing=True)
             with stream_ctx:
                 if self.cuda:
@@ -393,7 +395,7 @@ class SegmentedExecutor:
                     if self.cuda:
                         # allocated on the copy stream, used on the compute stream: keep the
                         # allocator from reusing it before compute is done with it
-                        dev.record_stream(torch.cuda.current_stream(self.device))
+                        dev.record_stream(compute)
                     dc.views[i] = dev
                 if self.cuda:
                     done = torch.cuda.Event(enable_timing=True)
@@ -467,21 +469,24 @@ class SegmentedExecutor:
                 return s
         return None
 
-    def _load_into_slot(self, name: str, slot: _Slot, sync: bool) -> None:
+    def _load_into_slot(self, name: str, slot: _Slot, sync: bool, swap: bool = True) -> None:
+        """Copy a unit into a slot, evicting what it held (nothing is copied back: the host
+        copy is the master). ``swap`` points the unit's tensors at the slot right away."""
         old = slot.copy.unit
         if old is not None:
             self._swap_out(old)
             self._account(-self._other_bytes(slot.copy))
         slot.copy = _DeviceCopy()
         slot.copy = self._load(name, slot.buf, sync=sync)
-        if self._running:
+        if swap:
             self._swap_in(name, slot.copy)
 
     def _prefetch_first(self, plan: Plan) -> None:
         order = plan.streamed_order
         if not order or self._slot_of(order[0]) is not None or len(self._slots) < 2:
             return
-        self._load_into_slot(order[0], self._other_slot(self._last_streamed), sync=False)
+        # after the forward: the tensors stay on their masters until the next forward starts
+        self._load_into_slot(order[0], self._other_slot(self._last_streamed), sync=False, swap=False)
 
     def _other_slot(self, busy: str | None) -> _Slot:
         """A slot not holding ``busy`` (the unit running or just run)."""

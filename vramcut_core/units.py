@@ -1,7 +1,8 @@
 """Cut units: the blocks a model's forward is cut at.
 
-A unit is one block of a block sequence (``double_blocks.7``), or the ``prelude`` (everything
-run before the blocks: embedders) or ``final`` (norm and output layers) of a model component, or
+A unit is one block of a block sequence (``double_blocks.7``), or the ``prelude`` of a model
+component (everything registered before its blocks: embedders), or a final unit (each module
+registered after the blocks, by its path: ``final_layer``, ``norm_out``), or
 the ``shared`` unit (tensors that several units read: tied weights, parameters owned directly
 by the containers that hold the block lists). Every parameter and buffer of the module belongs
 to exactly one unit.
@@ -22,7 +23,6 @@ from torch import nn
 from .tensors import tensor_nbytes
 
 PRELUDE = "prelude"
-FINAL = "final"
 SHARED = "shared"
 GENERIC = "generic"
 
@@ -59,6 +59,7 @@ FAMILIES: tuple[Family, ...] = (
         "encoder.layers.*",       # CLIP text / CLIP vision
         "encoder.block.*",        # T5 / UMT5
         "model.layers.*",         # LLM encoders (Llama, Qwen2.5, Gemma)
+        "visual.blocks.*",        # Qwen2.5-VL's vision tower (image inputs)
         "transformer.resblocks.*",
     ), nested=True),
     Family("sd_vae", "SD-style VAE", (
@@ -308,6 +309,7 @@ def _build(root: nn.Module, blocks: list[tuple[str, nn.Module]], family: str, la
     claims = _Claims()
     leaves: dict[str, list[tuple[str, nn.Module]]] = collections.defaultdict(list)
     order: list[str] = []
+    finals: set[str] = set()
 
     def visit(qual: str, m: nn.Module, component: str) -> None:
         # m contains blocks: its own tensors are read by its forward at any time -> shared.
@@ -327,8 +329,14 @@ def _build(root: nn.Module, blocks: list[tuple[str, nn.Module]], family: str, la
                 continue
             if not _has_tensors(child):
                 continue
-            where = PRELUDE if (not seen_block or _is_embedding(child)) else FINAL
-            name = f"{component}.{where}" if component else where
+            if not seen_block or _is_embedding(child):
+                name = f"{component}.{PRELUDE}" if component else PRELUDE
+            else:
+                # Registered after a block list: usually the output layers, but some models
+                # register embedders there (HiDream's caption projection, Lumina2's t/cap
+                # embedders). Each gets a unit of its own, so the measured order places it.
+                name = cq
+                finals.add(name)
             if name not in leaves:
                 order.append(name)
             leaves[name].append((cq, child))
@@ -343,13 +351,11 @@ def _build(root: nn.Module, blocks: list[tuple[str, nn.Module]], family: str, la
             claims.claim_subtree(name, cq, child)
 
     units: list[Unit] = []
-    preludes = [n for n in order if n.endswith(PRELUDE)]
-    finals = [n for n in order if n.endswith(FINAL)]
-    for name in preludes:
+    for name in (n for n in order if n not in finals):
         units.append(Unit(name, "prelude", leaves[name], claims.tensors_of(name)))
     for qual, m in blocks:
         units.append(Unit(qual, "block", [(qual, m)], claims.tensors_of(qual)))
-    for name in finals:
+    for name in (n for n in order if n in finals):
         units.append(Unit(name, "final", leaves[name], claims.tensors_of(name)))
     shared = claims.tensors_of(SHARED)
     if shared:

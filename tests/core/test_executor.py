@@ -47,8 +47,11 @@ def test_segmented_forward_is_bit_exact_within_budget_and_restores(name, build, 
         snap = snapshot(model)
         budget = budget_for(model, *args)
         eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", track_cpu_memory=True))
+        outs = []
         with eng.session():
-            outs = [eng.run(model, *args) for _ in range(3)]
+            for _ in range(3):
+                outs.append(eng.run(model, *args))
+                assert_unchanged(model, snap)  # between forwards too, buffers held or not
         for o in outs:
             assert torch.equal(o, ref), f"{name}: segmented output differs"
         assert_unchanged(model, snap)

@@ -61,7 +61,8 @@ def test_root_families_find_their_block_lists(family, lists, requires):
     assert us.family == family
     blocks = [u.name for u in us.units if u.kind == "block"]
     assert blocks == [f"{lst}.{i}" for lst in lists for i in range(3)]
-    assert us.units[0].name == "prelude" and us.units[-1].name == "final"
+    assert us.units[0].name == "prelude" and us.units[-1].name == "final_layer"
+    assert us.units[-1].kind == "final"
     assert not us.warnings
     assert_partition(m, us)
 
@@ -76,7 +77,7 @@ def test_unet_units_and_skip_model():
     us = find_units(m)
     assert us.family == "unet"
     names = [u.name for u in us.units]
-    assert names[0] == "prelude" and names[-1] == "final"
+    assert names[0] == "prelude" and names[-1] == "out"
     assert "middle_block" in names
     assert [n for n in names if n.startswith("input_blocks")] == [f"input_blocks.{i}" for i in range(4)]
     assert_partition(m, us)
@@ -115,7 +116,7 @@ def test_text_encoders_are_found_nested_per_component():
     us = find_units(m)
     assert us.family == "text_encoder"
     names = [u.name for u in us.units]
-    assert "clip_l.prelude" in names and "clip_g.final" in names
+    assert "clip_l.prelude" in names and "clip_g.transformer.text_model.final_layer_norm" in names
     assert "t5xxl.prelude" in names  # the embedding is a prelude wherever it is registered
     assert "clip_g.transformer.text_model.encoder.layers.2" in names
     assert "t5xxl.transformer.encoder.block.0" in names
@@ -141,7 +142,7 @@ def test_sd_vae_levels():
     us = find_units(m)
     assert us.family == "sd_vae"
     names = [u.name for u in us.units]
-    for n in ("encoder.down.0", "encoder.mid", "decoder.mid", "decoder.up.2", "encoder.prelude", "decoder.final"):
+    for n in ("encoder.down.0", "encoder.mid", "decoder.mid", "decoder.up.2", "encoder.prelude", "decoder.conv_out"):
         assert n in names
     assert_partition(m, us)
 
@@ -224,3 +225,35 @@ def test_every_unit_has_hook_modules_except_shared():
     for m in (TransformerStack(), UNetLike(), FluxLike(), BufferedStack(), seeded(TiedStack())):
         for u in find_units(m).units:
             assert u.kind == "shared" or u.hook_modules, u.name
+
+
+def test_modules_registered_after_the_blocks_get_units_of_their_own():
+    """Some models register embedders after their blocks (HiDream's caption projection, Lumina2's
+    t/cap embedders): each such module is its own unit, so a forward enters it once and the
+    measured order puts it where it runs."""
+
+    class LateEmbedder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.x_in = nn.Linear(4, 4)
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+            self.final_layer = nn.Linear(4, 4)
+            self.caption_projection = nn.Linear(4, 4)   # registered last, runs first
+
+        def forward(self, x):
+            x = self.x_in(x) + self.caption_projection(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.final_layer(x)
+
+    m = LateEmbedder()
+    us = find_units(m)
+    assert [u.name for u in us.units][-2:] == ["final_layer", "caption_projection"]
+    assert_partition(m, us)
+    from vramcut_core import Engine, EngineConfig
+    eng = Engine(m, EngineConfig(budget_bytes=1 << 20, device="cpu"))
+    with torch.no_grad():
+        eng.run(m, torch.randn(2, 4))
+    meas = eng.measurements[next(iter(eng.measurements))]
+    assert list(meas)[:3] == ["prelude", "caption_projection", "blocks.0"]
+    assert all(v.calls == 1 for v in meas.values())

@@ -243,8 +243,9 @@ def snapshot(m: nn.Module) -> dict:
 def assert_unchanged(m: nn.Module, snap: dict) -> None:
     now = dict(list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)))
     assert set(now) == set(snap)
-    for n, (t, dev, _ptr, vals) in snap.items():
+    for n, (t, dev, ptr, vals) in snap.items():
         assert now[n] is t, f"{n}: tensor object replaced"
         assert now[n].device == dev, f"{n}: moved to {now[n].device}"
+        assert now[n].data_ptr() == ptr, f"{n}: points at other memory (a device copy left swapped in?)"
         assert torch.equal(now[n].detach().view(torch.uint8) if now[n].dtype.itemsize == 1 else now[n].detach(),
                            vals.view(torch.uint8) if vals.dtype.itemsize == 1 else vals), f"{n}: values changed"
