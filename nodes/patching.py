@@ -211,16 +211,22 @@ def _copy_as(obj, cls):
     return new
 
 
-def patch_vae(vae, settings: Settings, report: NodeReport):
-    """A patched copy of a ComfyUI VAE (VAEs have no ``clone()``)."""
-    state = PatchState("VAE", settings, report)
-    new = _copy_as(vae, VRAMCutVAE)
-    new.patcher = to_vramcut_patcher(vae.patcher, state)
-    new.first_stage_model = new.patcher.model
+def _patched_copy(obj, cls, kind: str, model_attr: str, settings: Settings, report: NodeReport):
+    """A copy of ``obj`` as ``cls`` with a VRAMCut patcher, for host objects that have no
+    ``clone()`` (VAE, CLIP vision); ``model_attr`` names the attribute holding the network."""
+    state = PatchState(kind, settings, report)
+    new = _copy_as(obj, cls)
+    new.patcher = to_vramcut_patcher(obj.patcher, state)
+    setattr(new, model_attr, new.patcher.model)
     new._vramcut = state
-    engine = state.engine(new.first_stage_model, new.patcher.load_device)
-    report.set("VAE", engine, engine.weight_plan())
+    engine = state.engine(new.patcher.model, new.patcher.load_device)
+    report.set(kind, engine, engine.weight_plan())
     return new
+
+
+def patch_vae(vae, settings: Settings, report: NodeReport):
+    """A patched copy of a ComfyUI VAE."""
+    return _patched_copy(vae, VRAMCutVAE, "VAE", "first_stage_model", settings, report)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,11 +298,4 @@ def patch_clip_vision(clip_vision, settings: Settings, report: NodeReport):
     cls = type(clip_vision)
     if not issubclass(cls, _ClipVisionMixin):
         cls = _CV.setdefault(cls, type(f"VRAMCut{cls.__name__}", (_ClipVisionMixin, cls), {}))
-    state = PatchState("CLIP_VISION", settings, report)
-    new = _copy_as(clip_vision, cls)
-    new.patcher = to_vramcut_patcher(clip_vision.patcher, state)
-    new.model = new.patcher.model
-    new._vramcut = state
-    engine = state.engine(new.model, new.patcher.load_device)
-    report.set("CLIP_VISION", engine, engine.weight_plan())
-    return new
+    return _patched_copy(clip_vision, cls, "CLIP_VISION", "model", settings, report)

@@ -8,19 +8,17 @@ it, so a sampling run plans once; a new resolution or batch plans again.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 from typing import Callable
 
-import torch
 from torch import nn
 
 from .executor import SegmentedExecutor
 from .measure import UnitMeasurement, describe_signature, signature
 from .plan import BudgetError, Plan, PlanOptions, PlanUnit, make_plan
 from .report import RunStats, plan_to_json, plan_to_text
-from .units import Unit, UnitSet, find_units, split_unit
+from .units import Unit, find_units, split_unit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,6 @@ class SegmentedExecutor:
         self._masters: dict[str, _HostMaster] = {}
         self._resident: dict[str, tuple[torch.Tensor, _DeviceCopy]] = {}
         self._slots: list[_Slot] = []
-        self._extra_bytes = 0           # subclass tensors and temporary buffers on the device
         self.device_bytes = 0
         self.peak_weight_bytes = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -255,7 +254,6 @@ class SegmentedExecutor:
         for m in self._masters.values():
             m.release()
         self._masters.clear()
-        self._extra_bytes = 0
         self.device_bytes = 0
 
     def forget_units(self) -> None:

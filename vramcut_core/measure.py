@@ -15,7 +15,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .tensors import tensor_nbytes
 
 
 def signature(args: tuple, kwargs: dict, max_depth: int = 4) -> tuple:
@@ -191,7 +190,3 @@ class CUDAMeter(Meter):
 
     def peak(self) -> int:
         return max(0, torch.cuda.max_memory_allocated(self.device) - self._own())
-
-
-def weight_bytes_of(tensors) -> int:
-    return sum(tensor_nbytes(t) for t in tensors)

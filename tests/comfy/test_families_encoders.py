@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from unit_checks import assert_partition, blocks
 
 try:
     tm.import_comfy()
@@ -44,27 +45,6 @@ def seeded(m: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             if p.device.type != "meta":
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
     return m.eval()
-
-
-def blocks(prefix: str, n: int) -> list[str]:
-    return [f"{prefix}.{i}" for i in range(n)]
-
-
-def assert_partition(module: torch.nn.Module, us) -> None:
-    """Every parameter and buffer of ``module`` is in exactly one unit (by identity)."""
-    where: dict[int, list[str]] = {}
-    for u in us.units:
-        for t in u.tensors:
-            where.setdefault(id(t.tensor), []).append(u.name)
-    named = dict(module.named_parameters(remove_duplicate=False))
-    named.update(dict(module.named_buffers(remove_duplicate=False)))
-    missing = [n for n, t in named.items() if id(t) not in where]
-    twice = {n: where[id(t)] for n, t in named.items() if len(where.get(id(t), [])) > 1}
-    assert not missing, f"tensors in no unit: {missing[:10]}"
-    assert not twice, f"tensors in several units: {dict(list(twice.items())[:10])}"
-    unique = {id(t): t for t in named.values()}
-    assert sum(len(u.tensors) for u in us.units) == len(unique)
-    assert us.weight_bytes == sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def same(a, b) -> bool:

@@ -166,7 +166,6 @@ def test_skipped_and_repeated_blocks_find_their_weights():
         with eng.session():
             assert torch.equal(eng.run(model, x), model(x))
             model.skip = {2, 4}
-            ref = None
             out = eng.run(model, x)
             model_out = model(x)
             assert torch.equal(out, model_out)

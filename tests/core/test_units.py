@@ -4,25 +4,9 @@ from torch import nn
 
 from toys import (BufferedStack, FluxLike, MixedDtypeStack, QuantStack, TiedStack, TransformerStack,
                   UNetLike, seeded)
+from unit_checks import assert_partition
 from vramcut_core import find_units, split_unit
 from vramcut_core.tensors import tensor_nbytes
-
-
-def all_tensors(m: nn.Module) -> dict[int, torch.Tensor]:
-    out = {}
-    for t in list(m.parameters()) + list(m.buffers()):
-        out[id(t)] = t
-    return out
-
-
-def assert_partition(m: nn.Module, us) -> None:
-    """Every parameter and buffer belongs to exactly one unit."""
-    seen: dict[int, str] = {}
-    for u in us.units:
-        for t in u.tensors:
-            assert id(t.tensor) not in seen, f"tensor in {seen[id(t.tensor)]} and {u.name}"
-            seen[id(t.tensor)] = u.name
-    assert set(seen) == set(all_tensors(m))
 
 
 class DiT(nn.Module):
