@@ -333,3 +333,173 @@ def test_decode_updates_the_plan_with_measured_shapes_in_history(comfy_server):
     assert any(not s["idle"] for s in plan["segments"]) and any(s["idle"] for s in plan["segments"]), \
         "a decode never runs the encoder: its units are idle"
     assert "images" in entry["outputs"]["5"]
+
+
+# ------------------------------------------------------------- a real VAE decode in the browser
+
+# Colours the extension draws with (web/vramcut.js COLORS); only resident / streamed are also on
+# the element's dataset.
+ACTIVATION_COLOR = "#a78bfa"
+IDLE_COLOR = "#6b7280"
+MEASURED_BADGE = "#16a34a"
+WEIGHTS_BADGE = "#64748b"
+BADGE_TOLERANCE = 3          # the badges are flat fills; idle (#6b7280) is 11 away from #64748b
+# Measured on the random SD VAE decoding a 1x4x8x8 latent: decoder.up.3 + up.2 (126 MiB) stay
+# resident, the rest of the decoder streams, the encoder is idle (0.08 GiB keeps nothing resident).
+VAE_BUDGET_GB = 0.25
+DOCS_IMAGE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "node_plan.png")
+DOCS_ZOOM = 1.5
+
+# Build VAELoader -> Max VRAM -> VAEDecode(EmptyLatentImage 64x64) -> PreviewImage in the page,
+# log what reaches the page (api events and every data-stage the node's plan element takes).
+BUILD_VAE_GRAPH_JS = """
+const [vaeName, budget, done] = arguments;
+(async () => {
+  const { api } = await import("/scripts/api.js");
+  app.graph.clear();
+  const add = (type, pos, values = {}) => {
+    const n = LiteGraph.createNode(type);
+    if (!n) throw new Error("cannot create " + type);
+    n.pos = pos;
+    app.graph.add(n);
+    for (const [k, v] of Object.entries(values)) {
+      const w = n.widgets.find((w) => w.name === k);
+      if (!w) throw new Error(type + " has no widget " + k);
+      w.value = v;
+    }
+    return n;
+  };
+  const link = (a, out, b, inp) => {
+    const o = a.findOutputSlot(out), i = b.findInputSlot(inp);
+    if (o < 0 || i < 0 || !a.connect(o, b, i)) throw new Error(`cannot link ${a.type}.${out} -> ${b.type}.${inp}`);
+  };
+  const loader = add("VAELoader", [20, 90], {vae_name: vaeName});
+  const cut = add("%(node)s", [340, 90], {max_vram_gb: budget, budget_mode: "fixed", reserve_gb: 1.0,
+                                          prefetch: true, residency: true});
+  const latent = add("EmptyLatentImage", [20, 260], {width: 64, height: 64, batch_size: 1});
+  const decode = add("VAEDecode", [760, 90]);
+  const preview = add("PreviewImage", [760, 230]);
+  link(loader, "VAE", cut, "vae");
+  link(cut, "vae", decode, "vae");
+  link(latent, "LATENT", decode, "samples");
+  link(decode, "IMAGE", preview, "images");
+
+  const log = window.__vramcutLog = {events: [], stages: [cut.vramcutView.el.dataset.stage]};
+  const stages = (p) => (p && p.models || []).map((m) => m.stage).join(",");
+  api.addEventListener("vramcut.plan", (e) => log.events.push(
+    {type: "vramcut.plan", node: String(e.detail.node), stages: stages(e.detail.payload)}));
+  api.addEventListener("executed", (e) => {
+    const p = e.detail.output && e.detail.output.vramcut;
+    log.events.push({type: "executed", node: String(e.detail.node),
+                     stages: p ? stages(p[p.length - 1]) : null});
+  });
+  for (const type of ["execution_start", "execution_success", "execution_error", "execution_interrupted"])
+    api.addEventListener(type, (e) => log.events.push({type, prompt_id: e.detail.prompt_id}));
+  new MutationObserver(() => log.stages.push(cut.vramcutView.el.dataset.stage))
+    .observe(cut.vramcutView.el, {attributes: true, attributeFilter: ["data-stage"]});
+
+  app.canvas.ds.scale = 1;
+  app.canvas.ds.offset = [0, 0];
+  app.canvas.setDirty(true, true);
+  done({cut: cut.id, decode: decode.id, preview: preview.id});
+})().catch((e) => done({error: String(e && e.stack || e)}));
+""" % {"node": NODE_TYPE}
+
+# Mute (mode 2: left out of the prompt) or unmute the decode branch, then queue the graph.
+QUEUE_JS = """
+const [ids, mode, done] = arguments;
+(async () => {
+  for (const id of ids) app.graph.getNodeById(id).mode = mode;
+  window.__vramcutLog.events.length = 0;
+  await app.queuePrompt(0);
+  done(true);
+})().catch((e) => done({error: String(e && e.stack || e)}));
+"""
+
+NODE_STATE_JS = """
+const [nodeId] = arguments;
+const node = app.graph.getNodeById(nodeId);
+const el = node && node.vramcutView && node.vramcutView.el;
+if (!el) return null;
+const stored = node.properties && node.properties.vramcut_plan;
+return {data: {...el.dataset}, text: node.vramcutView.pre.textContent,
+        stored: stored ? stored.models.map((m) => m.stage).join(",") : null,
+        log: window.__vramcutLog};
+"""
+
+# Count canvas pixels near each colour; arguments: node id, {name: [hex, tolerance]}.
+NODE_PIXELS_JS = """
+const [nodeId, want] = arguments;
+const c = app.graph.getNodeById(nodeId).vramcutView.canvas;
+const px = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+const hex = (h) => [1, 3, 5].map((i) => parseInt(h.slice(i, i + 2), 16));
+const ws = Object.entries(want).map(([k, [h, tol]]) => [k, hex(h), tol]);
+const out = {total: c.width * c.height};
+for (const [k] of ws) out[k] = 0;
+for (let i = 0; i < px.length; i += 4) {
+  if (px[i + 3] <= 200) continue;
+  for (const [k, w, tol] of ws)
+    if (Math.abs(px[i] - w[0]) <= tol && Math.abs(px[i + 1] - w[1]) <= tol && Math.abs(px[i + 2] - w[2]) <= tol) out[k]++;
+}
+return out;
+"""
+
+# Zoom / pan the graph so the node sits at (x, y) on the canvas; resolves once the plan has been
+# redrawn at the new pixel scale, with the node's box (title included) in page pixels.
+FRAME_NODE_JS = """
+const [nodeId, scale, x, y, done] = arguments;
+const node = app.graph.getNodeById(nodeId);
+const ds = app.canvas.ds;
+ds.scale = scale;
+ds.offset = [x / scale - node.pos[0], (y / scale) - node.pos[1] + LiteGraph.NODE_TITLE_HEIGHT];
+app.canvas.setDirty(true, true);
+const t0 = Date.now();
+(function wait() {
+  const v = node.vramcutView;
+  const settled = Math.abs(v.drawnScale - v.pixelScale()) < 0.01 && !v.frame;
+  if (!settled && Date.now() - t0 < 10000) return requestAnimationFrame(wait);
+  requestAnimationFrame(() => requestAnimationFrame(() => {
+    const r = app.canvas.canvas.getBoundingClientRect();
+    const th = LiteGraph.NODE_TITLE_HEIGHT;
+    done({settled, left: r.left + (node.pos[0] + ds.offset[0]) * ds.scale,
+          top: r.top + (node.pos[1] - th + ds.offset[1]) * ds.scale,
+          width: node.size[0] * ds.scale, height: (node.size[1] + th) * ds.scale});
+  }));
+})();
+"""
+
+
+def _node_state(browser, node_id):
+    return browser.execute_script(NODE_STATE_JS, node_id)
+
+
+def _wait_run(browser, server, node_id, stage: str):
+    """Until the queued prompt has finished and the node's plan is drawn at ``stage``."""
+    def ready():
+        st = _node_state(browser, node_id)
+        if not st:
+            return None
+        types = [e["type"] for e in st["log"]["events"]]
+        if "execution_error" in types or "execution_interrupted" in types:
+            pytest.fail(f"the run failed: {st['log']['events']}\n{server.log_tail()}")
+        d = st["data"]
+        if "execution_success" in types and d.get("stage") == stage and int(d.get("drawn", 0)) > 0:
+            return st
+        return None
+    return _wait(browser, f"the run to finish with a {stage!r} plan drawn", ready, timeout=PROMPT_TIMEOUT_S)
+
+
+def _node_crop(browser, node_id, scale, pad=8):
+    """PNG of the node (title, widgets and plan) cut out of a page screenshot."""
+    from PIL import Image
+
+    box = browser.execute_async_script(FRAME_NODE_JS, node_id, scale, 40, 90)
+    assert box["settled"], "the plan was not redrawn at the new zoom"
+    page = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
+    l, t = max(0, int(box["left"]) - pad), max(0, int(box["top"]) - pad)
+    r = min(page.width, int(box["left"] + box["width"]) + pad + 1)
+    b = min(page.height, int(box["top"] + box["height"]) + pad + 1)
+    assert r - l > 0.9 * box["width"] and b - t > 0.9 * box["height"], (box, page.size)
+    out = io.BytesIO()
+    page.crop((l, t, r, b)).save(out, "PNG", optimize=True)
+    return out.getvalue()
