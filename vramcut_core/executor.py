@@ -587,8 +587,10 @@ class SegmentedExecutor:
         # anyway). The copy stream is not waited for: the prefetch for the next forward keeps
         # running, and copies still in flight are counted when they have landed.
         end_ev.synchronize()
-        done = [(a, b) for a, b in self._events if b.query()]
-        self._events = [(a, b) for a, b in self._events if not b.query()]
+        done, pending = [], []
+        for pair in self._events:
+            (done if pair[1].query() else pending).append(pair)
+        self._events = pending
         stats.time_copy_s = sum(a.elapsed_time(b) for a, b in done) / 1e3
         stats.time_wait_s += sum(a.elapsed_time(b) for a, b in self._waits) / 1e3
         if start_ev is not None:

@@ -503,3 +503,77 @@ def _node_crop(browser, node_id, scale, pad=8):
     out = io.BytesIO()
     page.crop((l, t, r, b)).save(out, "PNG", optimize=True)
     return out.getvalue()
+
+
+def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
+    """The VAE decode graph built in the page and queued twice: first with the decode muted, so
+    the node shows the weights-only plan; then whole, so the decode measures the real shapes and
+    the node redraws with the measured plan (activations, idle encoder) without a reload."""
+    s = comfy_server
+    _open(browser, s)
+    ids = browser.execute_async_script(BUILD_VAE_GRAPH_JS, s.sd_vae, VAE_BUDGET_GB)
+    assert "error" not in ids, ids["error"]
+    cut, branch = ids["cut"], [ids["decode"], ids["preview"]]
+    colors = {"resident": ("#3b82f6", COLOR_TOLERANCE), "streamed": ("#f59e0b", COLOR_TOLERANCE),
+              "activation": (ACTIVATION_COLOR, COLOR_TOLERANCE), "idle": (IDLE_COLOR, BADGE_TOLERANCE),
+              "measured_badge": (MEASURED_BADGE, BADGE_TOLERANCE),
+              "weights_badge": (WEIGHTS_BADGE, BADGE_TOLERANCE)}
+
+    # 1. Decode muted: the node runs alone and can only know the weights.
+    assert browser.execute_async_script(QUEUE_JS, branch, 2) is True
+    st = _wait_run(browser, s, cut, "weights")
+    d = st["data"]
+    assert d["stages"] == "weights" and d["idle"] == "0" and int(d["streamed"]) >= 1, d
+    px = browser.execute_script(NODE_PIXELS_JS, cut, colors)
+    assert px["weights_badge"] > 200 and px["measured_badge"] == 0 and px["activation"] == 0, px
+    weights_segments = d["segments"]
+
+    # 2. The whole graph: the Max VRAM node is cached, the decode measures and sends the plan.
+    assert browser.execute_async_script(QUEUE_JS, branch, 0) is True
+    st = _wait_run(browser, s, cut, "measured")
+    d, log = st["data"], st["log"]
+    assert d["stages"] == "measured" and d["models"] == "1" and "message" not in d, d
+    assert int(d["resident"]) >= 1 and int(d["streamed"]) >= 1 and int(d["idle"]) >= 1, d
+    assert int(d["segments"]) == int(d["resident"]) + int(d["streamed"]) + int(d["idle"]), d
+    assert d["segments"] != weights_segments or int(d["idle"]) > 0
+    assert "VAE" in st["text"] and "input: 1x4x8x8" in st["text"], st["text"]
+    assert st["stored"] == "measured", "the measured plan was not kept in node.properties"
+    # drawn as weights, then measured, never back; the measured plan came from the server
+    # during this run (the live event; "executed" carries it too once the decode mutated it)
+    stages = [x for i, x in enumerate(log["stages"]) if i == 0 or x != log["stages"][i - 1]]
+    assert stages[-2:] == ["weights", "measured"] and stages.count("measured") == 1, log
+    live = [e for e in log["events"] if e["type"] == "vramcut.plan" and e["node"].split(":")[-1] == str(cut)]
+    assert any(e["stages"] == "measured" for e in live), log["events"]
+    types = [e["type"] for e in log["events"]]
+    first_measured = next(i for i, e in enumerate(log["events"]) if e.get("stages") == "measured")
+    assert first_measured < types.index("execution_success"), log["events"]
+
+    # what the page drew is what the server ended the run with
+    prompt_id = next(e["prompt_id"] for e in log["events"] if e["type"] == "execution_start")
+    (payload,) = s.get(f"/history/{prompt_id}")[prompt_id]["outputs"][str(cut)]["vramcut"]
+    (vae,) = payload["models"]
+    segs = vae["plan"]["segments"]
+    assert vae["kind"] == "VAE" and vae["stage"] == "measured", vae["text"]
+    assert (int(d["segments"]), int(d["resident"]), int(d["idle"])) == (
+        len(segs), sum(x["resident"] for x in segs), sum(bool(x["idle"]) and not x["resident"] for x in segs))
+
+    px = browser.execute_script(NODE_PIXELS_JS, cut, colors)
+    assert px["measured_badge"] > 200 and px["weights_badge"] == 0, px
+    for k in ("resident", "streamed", "activation", "idle"):
+        assert px[k] > 50, (k, px)
+
+    time.sleep(0.3)  # the frame that positions the DOM widget
+    node_png = _node_crop(browser, cut, 1.0)
+    _save("vae_measured_node.png", node_png)
+    for k in ("resident", "streamed", "activation"):  # on screen, not only in the buffer
+        assert _count_on_screen(node_png, colors[k][0]) > 50, k
+
+    docs_png = _node_crop(browser, cut, DOCS_ZOOM)
+    _save("node_plan.png", docs_png)
+    if os.environ.get("VRAMCUT_WRITE_DOCS") == "1":
+        with open(DOCS_IMAGE, "wb") as f:
+            f.write(docs_png)
+        print(f"docs image: {DOCS_IMAGE} ({len(docs_png) // 1024} KiB)")
+
+    errors = [m for m in _console_errors(browser) if "vramcut" in m.lower()]
+    assert not errors, errors
