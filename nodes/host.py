@@ -116,7 +116,8 @@ class NodeReport:
             inst = None
         if inst is not None:
             try:
-                inst.send_sync(EVENT, {"node": str(self.node_id), "payload": self.payload})
+                inst.send_sync(EVENT, {"node": str(self.node_id), "payload": self.payload,
+                                       "prompt_id": getattr(inst, "last_prompt_id", None)})
             except Exception as e:  # a UI update must never break a run
                 log.debug("vramcut: could not send plan event: %s", e)
 
@@ -151,14 +152,20 @@ class PatchState:
         return any(e.executor.running for e in self._engines.values())
 
     def release(self, *_args, **_kw) -> None:
-        """Give back every device buffer the engines hold (ComfyUI cannot see them), and show
-        what the run did on the node."""
+        """Give back every device buffer the engines hold (ComfyUI cannot see them)."""
         for e in list(self._engines.values()):
             if not e.executor.running:
                 e.keep_buffers(False)
                 e.release()
-                if e.last_plan is not None and e.stats.forwards:
-                    self.report.set(self.kind, e, e.last_plan)
+
+    def finish(self, *_args, **_kw) -> None:
+        """End of a run (ComfyUI's cleanup after sampling): release, and show on the node what
+        the run did (forwards, bytes streamed, measured peak)."""
+        self.release()
+        for e in list(self._engines.values()):
+            if e.last_plan is not None and e.stats.forwards and not e.executor.running:
+                self.report.set(self.kind, e, e.last_plan)
+                e.reset_stats()  # the next run reports its own
 
     def run(self, engine: Engine, fn, *args, sig=None, **kwargs):
         """Run through the engine; a budget that cannot hold this call becomes an OOM error,
@@ -234,9 +241,9 @@ def to_vramcut_patcher(patcher, state: PatchState):
         raise VRAMCutError(f"cannot patch a {type(clone).__name__}")
     clone.__class__ = _patcher_class(type(clone))
     clone.attachments[KEY] = state
-    for ctype in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
+    for ctype, fn in ((CallbacksMP.ON_CLEANUP, state.finish), (CallbacksMP.ON_DETACH, state.release)):
         clone.remove_callbacks_with_key(ctype, KEY)
-        clone.add_callback_with_key(ctype, KEY, state.release)
+        clone.add_callback_with_key(ctype, KEY, fn)
     return clone
 
 

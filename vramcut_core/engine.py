@@ -194,6 +194,9 @@ class Engine:
         self._record(plan, sig, stats)
         return out
 
+    def reset_stats(self) -> None:
+        self.stats = RunStats()
+
     def _record(self, plan: Plan, sig: tuple, stats: RunStats) -> None:
         self.last_plan, self.last_signature, self.last_stats = plan, sig, stats
         self.stats.add(stats)

@@ -254,6 +254,7 @@ class SegmentedExecutor:
         for m in self._masters.values():
             m.release()
         self._masters.clear()
+        self._events.clear()
         self.device_bytes = 0
 
     def forget_units(self) -> None:

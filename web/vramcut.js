@@ -668,6 +668,18 @@ function eventIsFor(node, target) {
   return t === id || t.split(":").pop() === id;
 }
 
+// The prompt the server is running now (from its "execution_start" event). A plan event carries
+// the prompt it was sent for; one from another prompt (a model of an earlier run releasing its
+// buffers, say) is not for the nodes on screen, even when a node id matches.
+let runningPrompt = null;
+api.addEventListener("execution_start", (e) => {
+  runningPrompt = e?.detail?.prompt_id ?? null;
+});
+
+function isCurrentPrompt(detail) {
+  return !detail.prompt_id || !runningPrompt || detail.prompt_id === runningPrompt;
+}
+
 function lastPayload(list) {
   if (Array.isArray(list)) return list.length ? list[list.length - 1] : null;
   return list && typeof list === "object" ? list : null;
@@ -716,7 +728,7 @@ app.registerExtension({
 
       node.vramcutOnEvent = (e) => {
         const detail = e?.detail;
-        if (!detail || !eventIsFor(node, detail.node)) return;
+        if (!detail || !eventIsFor(node, detail.node) || !isCurrentPrompt(detail)) return;
         node.vramcutShow(detail.payload);
       };
       api.addEventListener(EVENT, node.vramcutOnEvent);
