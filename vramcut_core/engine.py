@@ -98,8 +98,12 @@ class Engine:
         parent = meas.get(name) if meas else None
         for p in parts:
             self._all[p.name] = p
-            if meas is not None and parent is not None:
-                meas[p.name] = parent  # a part needs at most what the whole unit needed
+            if meas is None or parent is None:
+                continue
+            # A part needs at most what the whole unit needed, and it ran only if one of its
+            # modules did (a VAE decode runs one convolution of a unit that holds the encoder).
+            if p.pinned or not parent.modules or any(id(m) in parent.modules for m in p.hook_modules):
+                meas[p.name] = parent
         return [self._plan_unit(p, meas) for p in parts]
 
     def _plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, pin: bool = False) -> PlanUnit:

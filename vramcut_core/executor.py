@@ -152,6 +152,7 @@ class SegmentedExecutor:
         self._meter: Meter | None = None
         self._meas: dict[str, UnitMeasurement] | None = None
         self._order: list[str] = []
+        self._entered_modules: set[int] = set()
         self._swapped: dict[str, dict[int, torch.Tensor]] = {}  # unit -> index -> host tensor
         self._events: list[tuple[object, object]] = []          # CUDA (start, end) copy events
         self._waits: list[tuple[object, object]] = []
@@ -190,6 +191,7 @@ class SegmentedExecutor:
             self._meter = self._make_meter(measure)
             self._meas = {} if self._meter is not None else None
             self._order = []
+            self._entered_modules = set()
             input_bytes = _input_bytes(args, kwargs, self.device)
             self._input_bytes = input_bytes
             if self._meter is not None:
@@ -497,7 +499,9 @@ class SegmentedExecutor:
                 return s
         return self._slots[0]
 
-    def _enter(self, name: str) -> None:
+    def _enter(self, name: str, module: nn.Module | None = None) -> None:
+        if self._meas is not None and module is not None:
+            self._entered_modules.add(id(module))  # which parts of a unit ran (for finer cuts)
         if name == self._current:
             return
         if self._meter is not None:
@@ -551,8 +555,8 @@ class SegmentedExecutor:
             enter = self._enter
             name = pu.name
 
-            def pre(_mod, _args, _name=name, _enter=enter):
-                _enter(_name)
+            def pre(mod, _args, _name=name, _enter=enter):
+                _enter(_name, mod)
 
             for m in unit.hook_modules:
                 hooks.append(m.register_forward_pre_hook(pre))
@@ -581,6 +585,9 @@ class SegmentedExecutor:
         if self._meter is None:
             return None
         self._close_window()
+        for n in self._order:
+            self._meas[n].modules = frozenset(
+                id(m) for m in self._unit(n).hook_modules if id(m) in self._entered_modules)
         return {n: self._meas[n] for n in self._order}
 
     def _collect_cuda_stats(self, stats: RunStats, start_ev, end_ev) -> None:

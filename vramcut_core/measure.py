@@ -67,6 +67,7 @@ class UnitMeasurement:
     entry_bytes: int
     peak_bytes: int
     calls: int = 1  # separate entries in one forward (a video VAE runs its decoder per frame)
+    modules: frozenset = frozenset()  # ids of the unit's modules that ran
 
     @property
     def activation_bytes(self) -> int:

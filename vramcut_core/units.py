@@ -65,6 +65,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("sd_vae", "SD-style VAE", (
         "encoder.down.*", "encoder.mid", "decoder.mid", "decoder.up.*",
     ), nested=True),
+    # The Wan video VAE runs its decoder once per latent frame (the planner keeps looped units
+    # resident when they fit).
+    Family("wan_vae", "Wan VAE", (
+        "encoder.downsamples.*", "encoder.middle", "decoder.middle", "decoder.upsamples.*",
+    ), nested=True),
 )
 
 # The generic fallback takes a module list as a block sequence when it has at least this many
