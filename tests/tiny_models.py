@@ -54,14 +54,12 @@ def _is_comfyui(path: Optional[str]) -> bool:
 
 
 def comfyui_path() -> Optional[str]:
-    """The ComfyUI checkout to test against: ``$COMFYUI_PATH`` if it holds ComfyUI, else
-    ``~/comfy/ComfyUI`` if that does, else ``None``."""
-    for cand in (os.environ.get("COMFYUI_PATH"), os.path.expanduser(DEFAULT_COMFYUI_PATH)):
-        if cand:
-            cand = os.path.abspath(os.path.expanduser(cand))
-            if _is_comfyui(cand):
-                return cand
-    return None
+    """The ComfyUI checkout to test against: ``$COMFYUI_PATH`` when it is set (``None`` if it
+    holds no ComfyUI: a path given on purpose is not second-guessed), else comfy-cli's default
+    ``~/comfy/ComfyUI`` if that holds ComfyUI, else ``None``."""
+    given = os.environ.get("COMFYUI_PATH")
+    cand = os.path.abspath(os.path.expanduser(given or DEFAULT_COMFYUI_PATH))
+    return cand if _is_comfyui(cand) else None
 
 
 def import_comfy() -> str:

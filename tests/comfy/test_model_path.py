@@ -215,3 +215,17 @@ def test_unknown_model_runs_through_the_generic_fallback_with_a_warning(comfy, m
     assert "generic" in entry["label"] and any("generic fallback" in w for w in entry["warnings"])
     assert torch.equal(tm.sample(patched, pos, neg, (1, 16, 8, 8), steps=2), ref)
     assert any("generic fallback" in w for w in payload["models"][0]["plan"]["warnings"])
+
+
+def test_the_ksampler_node_samples_the_patched_model_bit_exact(family, max_vram):
+    """The same through ComfyUI's KSampler node (what a workflow runs), under inference mode."""
+    from nodes import KSampler
+
+    name, model, pos, neg, latent = family
+    empty = {"samples": torch.zeros(latent)}
+    with torch.inference_mode():
+        ref = KSampler().sample(model, 7, 3, 2.0, "euler", "simple", pos, neg, empty, denoise=1.0)[0]["samples"]
+        (patched, _, _), payload = max_vram(budget_gb(model), model=model)
+        out = KSampler().sample(patched, 7, 3, 2.0, "euler", "simple", pos, neg, empty, denoise=1.0)[0]["samples"]
+    assert torch.equal(out, ref), name
+    assert payload["models"][0]["plan"]["streamed_bytes_per_forward"] > 0
