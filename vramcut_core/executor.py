@@ -45,7 +45,7 @@ class _Layout:
     """Where a unit's plain tensors sit in a flat buffer, and its subclass tensors."""
 
     flat: list[tuple[int, int, int]]   # (index into unit.tensors, byte offset, nbytes)
-    other: list[int]                   # indices of tensors moved one by one
+    other: list[int]                   # indices of tensors moved one by one (subclasses)
     nbytes: int                        # flat buffer size (aligned)
     other_bytes: int
 
@@ -153,6 +153,8 @@ class SegmentedExecutor:
         self._meas: dict[str, UnitMeasurement] | None = None
         self._order: list[str] = []
         self._entered_modules: set[int] = set()
+        self._hooks: list = []
+        self._hooked: tuple[str, ...] | None = None
         self._swapped: dict[str, dict[int, torch.Tensor]] = {}  # unit -> index -> host tensor
         self._events: list[tuple[object, object]] = []          # CUDA (start, end) copy events
         self._waits: list[tuple[object, object]] = []
@@ -182,7 +184,6 @@ class SegmentedExecutor:
         self._running = True
         stats = RunStats(forwards=1)
         self._stats = stats
-        hooks: list = []
         ok = False
         t0 = time.perf_counter()
         start_ev = end_ev = None
@@ -201,13 +202,13 @@ class SegmentedExecutor:
                 self._base = torch.cuda.memory_allocated(self.device) - self.device_bytes
                 start_ev = torch.cuda.Event(enable_timing=True)
                 start_ev.record()
-            hooks = self._install_hooks(plan)
+            self._install_hooks(plan)
             out = fn(*args, **kwargs)
             ok = True
             return out, stats, self._finish_measure()
         finally:
-            for h in hooks:
-                h.remove()
+            if not ok or not self._holding:
+                self._remove_hooks()
             if self._meter is not None:
                 self._meter.stop()
             self._restore_all()
@@ -250,6 +251,7 @@ class SegmentedExecutor:
         if self.cuda:
             self._copy_stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
+        self._remove_hooks()
         self._restore_all()
         self._resident.clear()
         self._slots.clear()
@@ -431,9 +433,10 @@ class SegmentedExecutor:
             return
         unit = self._unit(name)
         saved: dict[int, torch.Tensor] = {}
+        other = self.layout(name).other
         for i, dev in dc.views.items():
             ut = unit.tensors[i]
-            if is_plain_tensor(ut.tensor):
+            if i not in other:
                 saved[i] = ut.tensor.data
                 ut.tensor.data = dev
             else:
@@ -450,9 +453,10 @@ class SegmentedExecutor:
         if saved is None:
             return
         unit = self._unit(name)
+        other = self.layout(name).other
         for i, host in saved.items():
             ut = unit.tensors[i]
-            if is_plain_tensor(ut.tensor):
+            if i not in other:
                 ut.tensor.data = host
             else:
                 for r in ut.refs:
@@ -500,6 +504,8 @@ class SegmentedExecutor:
         return self._slots[0]
 
     def _enter(self, name: str, module: nn.Module | None = None) -> None:
+        if not self._running:
+            return  # hooks held between forwards: someone else is running these modules
         if self._meas is not None and module is not None:
             self._entered_modules.add(id(module))  # which parts of a unit ran (for finer cuts)
         if name == self._current:
@@ -548,8 +554,17 @@ class SegmentedExecutor:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _install_hooks(self, plan: Plan) -> list:
-        hooks = []
+    def _install_hooks(self, plan: Plan) -> None:
+        """Pre-hooks that enter each unit. While buffers are held between forwards they stay
+        (and do nothing outside a forward of ours: the host may run the same modules for a
+        clone that is not ours); they are removed on release, after an error, and when a new
+        plan cuts the module differently."""
+        key = tuple(u.name for u in plan.units)
+        if self._hooks and self._hooked == key:
+            return
+        self._remove_hooks()
+        self._hooked = key
+        hooks = self._hooks
         for pu in plan.units:
             unit = self._unit(pu.name)
             enter = self._enter
@@ -560,7 +575,12 @@ class SegmentedExecutor:
 
             for m in unit.hook_modules:
                 hooks.append(m.register_forward_pre_hook(pre))
-        return hooks
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._hooked = None
 
     # -- measurement and stats ---------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
+import functools
 
 import torch
 from torch import nn
@@ -123,7 +124,7 @@ class Unit:
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    @property
+    @functools.cached_property
     def hook_modules(self) -> list[nn.Module]:
         seen: dict[int, nn.Module] = {}
         for _, m in self.roots:

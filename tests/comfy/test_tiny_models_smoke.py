@@ -46,13 +46,15 @@ def test_import_comfy_is_idempotent_and_on_cpu():
 def test_comfyui_path_env_and_fallback(monkeypatch, tmp_path):
     monkeypatch.setenv("COMFYUI_PATH", COMFYUI)
     assert tm.comfyui_path() == COMFYUI
-    # a wrong $COMFYUI_PATH falls back to ~/comfy/ComfyUI; with neither there is none
-    monkeypatch.setenv("COMFYUI_PATH", str(tmp_path / "nope"))
+    # a $COMFYUI_PATH that holds no ComfyUI is not second-guessed, even with one at the default
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert tm.comfyui_path() is None
     fake = tmp_path / "comfy" / "ComfyUI" / "comfy"
     fake.mkdir(parents=True)
     (fake / "model_management.py").write_text("")
+    monkeypatch.setenv("COMFYUI_PATH", str(tmp_path / "nope"))
+    assert tm.comfyui_path() is None
+    # unset: comfy-cli's default location
+    monkeypatch.delenv("COMFYUI_PATH")
     assert tm.comfyui_path() == str(tmp_path / "comfy" / "ComfyUI")
 
 

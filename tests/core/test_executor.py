@@ -280,3 +280,25 @@ def test_a_forward_that_loops_keeps_its_units_resident_instead_of_resending_them
         streamed_units = [u for u in plan.units if u.name in plan.streamed_order]
         assert plan.streamed_bytes_per_forward == sum(u.weight_bytes * 5 for u in streamed_units)
         assert tight.last_stats.bytes_streamed >= plan.streamed_bytes_per_forward - 2 * block
+
+
+def test_hooks_held_between_forwards_do_nothing_for_other_callers_and_go_on_release():
+    """While a session holds buffers the hooks stay on the modules; a plain call of the same
+    modules in between (the host running another clone) is unaffected, and release removes them."""
+    model = seeded(TransformerStack(depth=6))
+    x = ids()
+    with torch.no_grad():
+        ref = model(x)
+        snap = snapshot(model)
+        eng = Engine(model, EngineConfig(budget_bytes=budget_for(model, share=0.3), device="cpu"))
+        with eng.session():
+            assert torch.equal(eng.run(model, x), ref)
+            assert torch.equal(eng.run(model, x), ref)
+            held = eng.executor.device_bytes
+            assert any(m._forward_pre_hooks for m in model.modules())
+            assert torch.equal(model(x), ref)  # someone else's forward, between ours
+            assert eng.executor.device_bytes == held
+            assert_unchanged(model, snap)
+            assert torch.equal(eng.run(model, x), ref)
+        assert not any(m._forward_pre_hooks for m in model.modules())
+        assert_unchanged(model, snap)
