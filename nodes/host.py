@@ -133,7 +133,9 @@ class PatchState:
     def on_model_patcher_clone(self):
         return self
 
-    def engine(self, module: torch.nn.Module, device, keep_buffers: bool = False) -> Engine:
+    def engine(self, module: torch.nn.Module, device, keep_buffers: bool | None = None) -> Engine:
+        """The engine for ``module`` on ``device``; ``keep_buffers`` (when given) says whether it
+        holds device buffers between calls until ``release``."""
         dev = torch.device(device)
         eng = self._engines.get(module)
         if eng is None or eng.executor.device != dev:
@@ -144,7 +146,8 @@ class PatchState:
             for w in eng.unitset.warnings:
                 log.warning("VRAMCut %s: %s", self.kind, w)
             self._engines[module] = eng
-        eng.keep_buffers(keep_buffers)
+        if keep_buffers is not None:
+            eng.keep_buffers(keep_buffers)
         return eng
 
     @property

@@ -262,14 +262,17 @@ def _upscale_class(cls):
                         if isinstance(a, (str, torch.device))), None)
             if dev is not None:
                 self._vramcut_device = torch.device(dev)
+                if self._vramcut_device.type == "cpu":
+                    self._vramcut.release()  # ComfyUI 0.3.x moves the model back when done
             return self  # the weights stay on the host; the engine streams them
 
         def __call__(self, *args, **kwargs):
+            # Called once per tile: the engine keeps its buffers between tiles, until the model
+            # is moved back to the CPU or its patcher is cleaned up or detached.
             state = self._vramcut
             dev = self._vramcut_device if self._vramcut_device.type != "cpu" else self.patcher.load_device
-            engine = state.engine(self.model, dev)
-            with engine.session():
-                return state.run(engine, super(new_cls, self).__call__, *args, **kwargs)
+            engine = state.engine(self.model, dev, keep_buffers=True)
+            return state.run(engine, super(new_cls, self).__call__, *args, **kwargs)
 
         new_cls = type(f"VRAMCut{cls.__name__}", (cls,), {"to": to, "__call__": __call__, "_is_vramcut": True})
         _UPSCALE[cls] = new_cls

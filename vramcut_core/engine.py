@@ -116,23 +116,23 @@ class Engine:
 
     # -- plans -----------------------------------------------------------------------------
 
-    def weight_plan(self) -> Plan:
+    def weight_plan(self, options: PlanOptions | None = None) -> Plan:
         """The plan from weights alone (structural order, activations not measured)."""
         units = [self._plan_unit(u, None) for u in self.unitset.units]
-        return make_plan(units, self.config.budget_bytes, self.config.options,
+        return make_plan(units, self.config.budget_bytes, options or self.config.options,
                          lambda n: self._split(n, None), self.unitset.warnings)
 
     def _measuring_plan(self) -> Plan:
-        units = [self._plan_unit(u, None) for u in self.unitset.units]
-        return make_plan(units, self.config.budget_bytes, PlanOptions(prefetch=False, residency=False),
-                         lambda n: self._split(n, None), self.unitset.warnings)
+        """The smallest footprint there is, for the measured forward: one slot, nothing resident
+        but what must be."""
+        return self.weight_plan(PlanOptions(prefetch=False, residency=False))
 
     def _measured_plan(self, base: Plan, meas: dict[str, UnitMeasurement]) -> Plan:
         names = [u.name for u in base.units]
         entered = [n for n in meas if n in self._all]
         order = entered + [n for n in names if n not in meas]
         split = lambda n: self._split(n, meas)  # noqa: E731
-        looped = [n for n in entered if meas[n].calls > 1]
+        looped = {n for n in entered if meas[n].calls > 1}
         if looped and self.config.residency:
             # A forward that loops over its units (a video VAE decoding frame by frame) would
             # re-send streamed weights on every pass: keep the looped units resident if they fit.

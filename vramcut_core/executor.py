@@ -193,8 +193,8 @@ class SegmentedExecutor:
             self._meas = {} if self._meter is not None else None
             self._order = []
             self._entered_modules = set()
-            input_bytes = _input_bytes(args, kwargs, self.device)
-            self._input_bytes = input_bytes
+            # inputs count as activations; walked only when measuring (not on every forward)
+            self._input_bytes = _input_bytes(args, kwargs, self.device) if self._meter is not None else 0
             if self._meter is not None:
                 self._meter.start()
             if self.cuda:
