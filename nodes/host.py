@@ -376,9 +376,9 @@ def is_dynamic(patcher) -> bool:
 
 def _static_class(cls: type) -> type:
     """The nearest class in ``cls``'s MRO whose patchers are not dynamic-VRAM ones."""
-    plain = comfy.model_patcher.ModelPatcher.is_dynamic
+    plain = getattr(comfy.model_patcher.ModelPatcher, "is_dynamic", None)
     for c in cls.__mro__:
-        if issubclass(c, comfy.model_patcher.ModelPatcher) and c.is_dynamic is plain:
+        if issubclass(c, comfy.model_patcher.ModelPatcher) and getattr(c, "is_dynamic", None) is plain:
             return c
     return comfy.model_patcher.ModelPatcher
 
@@ -399,9 +399,10 @@ def to_vramcut_patcher(patcher, state: PatchState):
         if isinstance(patchers, set):
             patchers.discard(id(clone))  # the host counts its own patchers of this model
     clone.__class__ = _patcher_class(cls)
-    if hasattr(clone, "get_free_memory"):
-        ref = weakref.ref(clone)
-        # what the host could give on the device, evictions included (dynamic VRAM's view)
+    if hasattr(patcher, "get_free_memory"):
+        # what the host could give on the device, evictions included: asked of the patcher the
+        # host made (on dynamic-VRAM hosts its answer counts what it would evict)
+        ref = weakref.ref(patcher)
         state.free_memory = lambda device: (ref() or mm).get_free_memory(device)
     clone.attachments[KEY] = state
     for ctype, fn in ((CallbacksMP.ON_CLEANUP, state.finish), (CallbacksMP.ON_DETACH, state.release)):
