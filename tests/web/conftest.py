@@ -133,6 +133,11 @@ def comfyui_path() -> str:
     p = _comfyui_path()
     if p is None:
         pytest.skip("ComfyUI not found: set COMFYUI_PATH to a ComfyUI checkout (or put one at ~/comfy/ComfyUI)")
+    import tiny_models
+    try:
+        tiny_models.import_comfy()  # its requirements must be installed here, as the server needs them
+    except tiny_models.ComfyUINotFound as e:
+        pytest.skip(str(e))
     return p
 
 
