@@ -14,7 +14,9 @@ on newer hosts ``is_dynamic()``, ``get_free_memory()`` and ``lora_compute_dtype(
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import inspect
 import logging
 import math
@@ -157,6 +159,7 @@ class PatchState:
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
                                pinned=self.pinned)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
+            eng.executor.alloc_context = host_allocation_pause()
             for w in eng.unitset.warnings:
                 log.warning("VRAMCut %s: %s", self.kind, w)
             self._engines[module] = eng
@@ -174,6 +177,15 @@ class PatchState:
             if not e.executor.running:
                 e.keep_buffers(False)
                 e.release()
+
+    def outside(self, path: str) -> None:
+        """Say on the node (and once in the log) that a call path runs outside the budget."""
+        msg = (f"{self.kind}: {path} runs outside VRAMCut's budget: ComfyUI streams this model's "
+               "weights layer by layer itself (results are the same; memory and speed are ComfyUI's)")
+        if self.report.payload.get("message") != msg:
+            log.warning("VRAMCut: %s", msg)
+        self.report.notice(msg)
+        self.report.send()
 
     def finish(self, *_args, **_kw) -> None:
         """End of a run (ComfyUI's cleanup after sampling): release, and show on the node what
@@ -195,9 +207,10 @@ class PatchState:
         self._patches[engine] = key
         engine.executor.on_loaded = merge
         try:
-            if sig is None:
-                return engine.run(fn, *args, **kwargs)
-            return engine.run_as(sig, fn, *args, **kwargs)
+            with merge.host_patches_off() if merge is not None else contextlib.nullcontext():
+                if sig is None:
+                    return engine.run(fn, *args, **kwargs)
+                return engine.run_as(sig, fn, *args, **kwargs)
         except BudgetError as e:
             self.report.fail(str(e))
             raise VRAMCutOOM(f"VRAMCut: {e}") from e
@@ -238,6 +251,20 @@ class DeviceMerge:
         self.key = (id(patcher.patches), getattr(patcher, "patches_uuid", None), keys)
         self._host_returns = "return_weight" in inspect.signature(patcher.patch_weight_to_device).parameters
 
+    @contextlib.contextmanager
+    def host_patches_off(self):
+        """For the duration of a VRAMCut forward, the host's per-forward LoRA functions of the
+        merged weights are out of the way (put back after, if the host did not replace them)."""
+        fns = getattr(self.patcher, "_vramcut_host_fns", ())
+        for m, attr, _full, kept in fns:
+            setattr(m, attr, kept)
+        try:
+            yield
+        finally:
+            for m, attr, full, kept in fns:
+                if getattr(m, attr, None) is kept:
+                    setattr(m, attr, full)
+
     @classmethod
     def for_call(cls, patcher, module: torch.nn.Module) -> "DeviceMerge | None":
         keys = getattr(patcher, "_vramcut_merge_keys", None)
@@ -265,6 +292,16 @@ class DeviceMerge:
         temp = mm.cast_to_device(weight, weight.device, temp_dtype, copy=True)
         out = comfy.lora.calculate_weight(p.patches[key], temp, key)
         return comfy.float.stochastic_rounding(out, weight.dtype, seed=_string_to_seed(key))
+
+
+def host_allocation_pause():
+    """The host's context that keeps allocations out of its recorded allocation graphs (newer
+    ComfyUI: ``comfy.model_prefetch.pause_malloc_graph``), or a no-op on hosts without them."""
+    try:
+        prefetch = importlib.import_module("comfy.model_prefetch")
+    except ImportError:
+        return contextlib.nullcontext
+    return getattr(prefetch, "pause_malloc_graph", None) or contextlib.nullcontext
 
 
 def state_of(patcher) -> PatchState | None:
@@ -304,17 +341,22 @@ def _give_back_to_dynamic(model: torch.nn.Module) -> None:
             m.__dict__.setdefault(a, v)
 
 
-def _strip_host_patches(patcher, keys: frozenset[str]) -> None:
-    """Remove the host's per-forward patch functions for the keys VRAMCut merges on the device
-    (they would apply the same LoRA a second time)."""
+def _host_patch_functions(patcher, keys: frozenset[str]) -> tuple:
+    """For each module weight VRAMCut merges on the device: ``(module, attribute, the host's
+    per-forward functions, the same without its low-VRAM patch)``. Inside a VRAMCut forward the
+    second list is in place (the host would apply the same LoRA a second time); outside one the
+    host's own low-VRAM path runs the module with the first, LoRA included."""
+    out = []
     if not keys:
-        return
+        return ()
     for n, m in patcher.model.named_modules():
         for param in ("weight", "bias"):
             fns = getattr(m, f"{param}_function", None)
             if fns and f"{n}.{param}" in keys:
-                setattr(m, f"{param}_function",
-                        [f for f in fns if not isinstance(f, comfy.model_patcher.LowVramPatch)])
+                kept = [f for f in fns if not isinstance(f, comfy.model_patcher.LowVramPatch)]
+                if len(kept) != len(fns):
+                    out.append((m, f"{param}_function", fns, kept))
+    return tuple(out)
 
 
 class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
@@ -345,7 +387,7 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         out = super().load(device_to, lowvram_model_memory=1, force_patch_weights=False,
                            full_load=False, **kwargs)
         self._vramcut_merge_keys = mergeable_patch_keys(self)
-        _strip_host_patches(self, self._vramcut_merge_keys)
+        self._vramcut_host_fns = _host_patch_functions(self, self._vramcut_merge_keys)
         return out
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):

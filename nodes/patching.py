@@ -131,6 +131,11 @@ class VRAMCutCLIP(comfy.sd.CLIP):
         with self._segmented():
             return super().encode_from_tokens_scheduled(tokens, *args, **kwargs)
 
+    if hasattr(comfy.sd.CLIP, "generate"):  # newer hosts: text generation with LLM encoders
+        def generate(self, *args, **kwargs):
+            self._vramcut.outside("text generation (CLIP.generate)")
+            return super().generate(*args, **kwargs)
+
 
 def _input_embedding_units(cond_stage_model: torch.nn.Module) -> tuple[str, ...]:
     """Units holding the encoders' input embeddings stay resident: the encoders read the
@@ -193,6 +198,8 @@ class VRAMCutVAE(comfy.sd.VAE):
 
         def make(orig):
             def call(*a, **kw):
+                if engine.executor.running:  # an entry point calling another (decode_tiled -> decode)
+                    return orig(*a, **kw)
                 return state.run(engine, orig, *a, patcher=patcher, **kw)
             return call
 
@@ -222,6 +229,11 @@ class VRAMCutVAE(comfy.sd.VAE):
     def encode_tiled(self, *args, **kwargs):
         with self._segmented():
             return super().encode_tiled(*args, **kwargs)
+
+    if hasattr(comfy.sd.VAE, "prepare_decode"):  # newer hosts: VAEs whose nodes call the model directly
+        def prepare_decode(self, *args, **kwargs):
+            self._vramcut.outside("a decode through the model's own entry point (VAE.prepare_decode)")
+            return super().prepare_decode(*args, **kwargs)
 
 
 def _copy_as(obj, cls):

@@ -164,6 +164,10 @@ class SegmentedExecutor:
         # copy's event): the host merges weight patches (LoRA) into the device copy there, so
         # the host keeps one unpatched copy of every weight.
         self.on_loaded: Callable[[Unit], None] | None = None
+        # Entered around every device allocation the executor makes during a forward (its
+        # buffers, and on_loaded's): a host that records the forward's allocations into a graph
+        # (newer ComfyUI's malloc graphs) pauses the recording there, since ours do not repeat.
+        self.alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     # -- public API -------------------------------------------------------------------------
 
@@ -276,7 +280,7 @@ class SegmentedExecutor:
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         ctx = self._meter.paused() if isinstance(self._meter, CPUMeter) else contextlib.nullcontext()
-        with ctx:
+        with ctx, self.alloc_context():
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._account(nbytes)
         return buf
@@ -561,7 +565,8 @@ class SegmentedExecutor:
         dc.patched = True
         # not paused for the meter: what the hook allocates (a merge's temporaries) is device
         # memory the unit's window really uses
-        self.on_loaded(self._unit(name))
+        with self.alloc_context():
+            self.on_loaded(self._unit(name))
 
     def _cuda_mark(self):
         """A timing event on the compute stream (None on CPU)."""
