@@ -144,7 +144,7 @@ class PatchState:
         self.kind, self.settings, self.report, self.pinned = kind, settings, report, pinned
         self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
-        self.free_memory = None  # the patched patcher's get_free_memory, where the host has one
+        self.free_memory = None  # the host's answer to "how much could you free", where it has one
 
     def on_model_patcher_clone(self):
         return self
@@ -245,11 +245,15 @@ class DeviceMerge:
     the host keeps one unpatched copy of each weight and nothing is merged on the CPU."""
 
     _prefixes: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+    _host_returns: dict[type, bool] = {}  # patcher class -> patch_weight_to_device(return_weight=...)
 
     def __init__(self, patcher, prefix: str, keys: frozenset[str]) -> None:
         self.patcher, self.prefix, self.keys = patcher, prefix, keys
         self.key = (id(patcher.patches), getattr(patcher, "patches_uuid", None), keys)
-        self._host_returns = "return_weight" in inspect.signature(patcher.patch_weight_to_device).parameters
+        cls = type(patcher)
+        if cls not in self._host_returns:
+            self._host_returns[cls] = "return_weight" in inspect.signature(cls.patch_weight_to_device).parameters
+        self.host_merges = self._host_returns[cls]
 
     @contextlib.contextmanager
     def host_patches_off(self):
@@ -284,7 +288,7 @@ class DeviceMerge:
 
     def merged(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         p = self.patcher
-        if self._host_returns:
+        if self.host_merges:
             # the host's own merge; it reads the weight the unit's tensor points at (the device copy)
             return p.patch_weight_to_device(key, device_to=weight.device, return_weight=True)
         # hosts without return_weight (0.3.x): the same steps patch_weight_to_device takes there
