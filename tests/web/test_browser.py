@@ -373,7 +373,8 @@ const [vaeName, budget, done] = arguments;
     n.id = nextId++;
     n.pos = pos;
     app.graph.add(n);
-    if (n.id !== nextId - 1) throw new Error(`${type} got id ${n.id}, not ${nextId - 1}`);
+    // newer frontends may hand the id back as a string: compare the values, not the types
+    if (String(n.id) !== String(nextId - 1)) throw new Error(`${type} got id ${n.id}, not ${nextId - 1}`);
     for (const [k, v] of Object.entries(values)) {
       const w = n.widgets.find((w) => w.name === k);
       if (!w) throw new Error(type + " has no widget " + k);
