@@ -203,12 +203,14 @@ function answer(m, payloadBudget) {
   const vram = `${lower ? "≥" : ""}${gib(peak, budget < 0.1 * GIB ? 3 : 2)} / ${gib(budget)} GiB (${pct(peak, budget)})`;
   const stream = streamedBlocks > 0 ? `${streamedBlocks} of ${blocks} blocks streamed` : `all ${blocks} blocks resident`;
   const source = c.added_source ?? null;
+  // a diffusion model runs one forward per sampling step; encoders and VAEs one per call
+  const per = m.kind === "MODEL" ? "step" : "call";
   let time;
-  if (streamedBlocks === 0 && (source === null || source === "estimate")) time = "+0 s / step";
-  else if (source === "measured") time = `+${fmtSeconds(c.added_s_per_forward)} / step`;
-  else if (source === "estimate") time = `+${fmtSeconds(c.added_s_per_forward)} / step (estimate)`;
+  if (streamedBlocks === 0 && (source === null || source === "estimate")) time = `+0 s / ${per}`;
+  else if (source === "measured") time = `+${fmtSeconds(c.added_s_per_forward)} / ${per}`;
+  else if (source === "estimate") time = `+${fmtSeconds(c.added_s_per_forward)} / ${per} (estimate)`;
   else time = "time not measured";
-  const short = `${verdict} ${pct(peak, budget)} · ${source ? `+${fmtSeconds(c.added_s_per_forward)}/step` : stream}`;
+  const short = `${verdict} ${pct(peak, budget)} · ${source ? `+${fmtSeconds(c.added_s_per_forward)}/${per}` : stream}`;
   return { fits, verdict, vram, stream, time, source, short, line: `${verdict} · ${vram} · ${stream} · ${time}` };
 }
 

@@ -273,7 +273,7 @@ def _run_example(browser, server):
 ANSWER_RE = re.compile(
     r"^(fits|over budget) · ≥?\d+\.\d+ / \d+\.\d+ GiB \(\d+ %\) · "
     r"(\d+ of \d+ blocks streamed|all \d+ blocks resident) · "
-    r"(\+\d+(\.\d+)? (s|ms) / step( \(estimate\))?|time not measured)$")
+    r"(\+\d+(\.\d+)? (s|ms) / (step|call)( \(estimate\))?|time not measured)$")
 
 
 def _check_answer_lines(data: dict, server, estimate: bool | None = None) -> list[str]:
