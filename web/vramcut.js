@@ -841,6 +841,9 @@ class PlanView {
     d.hasPlan = this.payload ? "true" : "false";
     if (this.payload?.message) d.message = this.payload.message;
     else delete d.message;
+    const fix = this.payload?.message && this.payload.message_level !== "notice" ? budgetFix(this.payload) : null;
+    if (fix) d.fix = fix;
+    else delete d.fix;
     d.warnings = String((this.payload?.models ?? []).reduce((n, m) => n + m.warnings.length, 0));
     d.answers = (this.payload?.models ?? []).map((m) => answer(m, this.payload.budget_bytes).line).join("\n");
     d.unused = this.unused.join(",");
@@ -883,9 +886,10 @@ class PlanView {
     });
   }
 
-  /** The canvas is CSS-scaled with the graph: draw at devicePixelRatio x zoom to stay sharp. */
+  /** The canvas is CSS-scaled with the graph: draw at devicePixelRatio x zoom, so that one
+   * canvas pixel is one screen pixel and text stays sharp when zoomed in or out. */
   pixelScale() {
-    return (window.devicePixelRatio || 1) * Math.min(4, Math.max(1, this.zoom()));
+    return (window.devicePixelRatio || 1) * Math.min(4, Math.max(0.25, this.zoom()));
   }
 
   draw() {

@@ -871,6 +871,13 @@ def test_zoomed_out_and_collapsed_the_answer_stays(comfy_server, browser):
         and browser.execute_script(NODE_PIXELS_JS, node_id, fits)["fits"] > 50))
     time.sleep(0.3)
     _save("plan_zoomed_out.png", browser.get_screenshot_as_png())
+    # at 70 % the plan is drawn at screen resolution (one canvas pixel per screen pixel)
+    browser.execute_script(ZOOM_JS, node_id, 0.7, False)
+    _wait(browser, "the plan redrawn at 70 %", lambda: browser.execute_script(
+        "const v = app.graph.getNodeById(arguments[0]).vramcutView;"
+        "return v.el.dataset.zoomed === 'in' && v.canvas.width === Math.round(v.el.clientWidth * 0.7)", node_id))
+    time.sleep(0.3)
+    _save("plan_zoom70.png", browser.get_screenshot_as_png())
     z = browser.execute_script(ZOOM_JS, node_id, 1.0, True)
     assert " · fits " in z["title"] and "%" in z["title"], z
     time.sleep(0.3)
@@ -887,6 +894,56 @@ const node = app.graph.nodes.find((n) => n.vramcutView);
 return {x, y, onCanvas: hit === app.canvas.canvas, hit: hit && (hit.className || hit.tagName),
         pos: [node.pos[0], node.pos[1]], scale: app.canvas.ds.scale};
 """
+
+
+TIP_TARGET_JS = """
+const node = app.graph.nodes.find((n) => n.vramcutView);
+const v = node.vramcutView;
+const g = v.regions.find((r) => !r.section && /Bandwidth/.test(r.tip));
+const rect = v.canvas.getBoundingClientRect();
+const k = rect.width / v.el.clientWidth;
+return g ? {x: rect.left + (g.x + g.w / 2) * k, y: rect.top + (g.y + g.h / 2) * k} : null;
+"""
+
+TIP_STATE_JS = """
+const t = document.querySelector(".vramcut-tip");
+if (!t || t.style.display === "none") return null;
+const cs = getComputedStyle(t);
+return {text: t.textContent, font: cs.fontFamily, size: cs.fontSize};
+"""
+
+
+def test_hover_shows_a_short_styled_tooltip(comfy_server, browser):
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+    _run_example(browser, comfy_server)
+    at = browser.execute_script(TIP_TARGET_JS)
+    assert at, "no region with the cost explanation"
+    actions = ActionBuilder(browser)
+    actions.pointer_action.move_to_location(int(at["x"]), int(at["y"]))
+    actions.perform()
+    tip = _wait(browser, "the tooltip", lambda: browser.execute_script(TIP_STATE_JS))
+    assert "bandwidth" in tip["text"].lower() and len(tip["text"].splitlines()) <= 4, tip
+    assert "mono" not in tip["font"].lower() and tip["size"] == "12px", tip
+
+
+def test_budget_too_small_says_which_budget_works(comfy_server, browser):
+    """The error on the node offers the fix: a max_vram_gb that is large enough."""
+    s = comfy_server
+    _open(browser, s)
+    url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
+    r = browser.execute_async_script(RUN_EXAMPLE_JS, url, s.tiny_model, 0.001)
+    assert "error" not in r, r["error"]
+    st = _wait(browser, "the budget error on the node", lambda: (
+        (x := browser.execute_script(PLAN_STATE_JS)) and x["data"].get("message") and x))
+    view = browser.execute_script(
+        "const n = app.graph.getNodeById(arguments[0]); return n.vramcutView.payload", r["id"])
+    need = view.get("min_budget_bytes") or view.get("need_bytes")
+    assert need and need > 0.001 * 1024**3, (view, st)
+    m = re.match(r"Set max_vram_gb (to at least|above) (\d+\.\d\d)", st["data"].get("fix", ""))
+    assert m and float(m.group(2)) * 1024**3 >= need, (st["data"], need)
+    time.sleep(0.3)
+    _save("budget_error_node.png", _node_crop(browser, r["id"], 1.0))
 
 
 def test_drag_on_the_plan_moves_the_node(comfy_server, browser):
