@@ -32,6 +32,8 @@ import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
 from ..vramcut_core import BudgetError, Engine, EngineConfig
+from ..vramcut_core import bandwidth
+from ..vramcut_core.report import cost_to_json
 from ..vramcut_core.tensors import GIB, fmt_bytes
 
 log = logging.getLogger("vramcut")
@@ -103,6 +105,8 @@ class NodeReport:
 
     def set(self, kind: str, engine: Engine, plan=None) -> None:
         d = engine.describe(plan)
+        # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
+        d["plan"]["cost"] = cost_to_json(d["plan"], bandwidth.host_to_device(engine.config.device))
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
                  "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"]}
         if kind in self._index:
@@ -113,8 +117,13 @@ class NodeReport:
         self.payload["budget_bytes"] = engine.config.budget_bytes
         self.send()
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, error: Exception | None = None) -> None:
         self.payload["message"], self.payload["message_level"] = message, "error"
+        # the budget that would work, when the error knows it (the node offers it as the fix)
+        for key, attr in (("min_budget_bytes", "min_budget_bytes"), ("need_bytes", "need_bytes")):
+            v = getattr(error, attr, None)
+            if isinstance(v, int) and v > 0:
+                self.payload[key] = v
         self.send()
 
     def notice(self, message: str) -> None:
@@ -212,7 +221,7 @@ class PatchState:
                     return engine.run(fn, *args, **kwargs)
                 return engine.run_as(sig, fn, *args, **kwargs)
         except BudgetError as e:
-            self.report.fail(str(e))
+            self.report.fail(str(e), e)
             raise VRAMCutOOM(f"VRAMCut: {e}") from e
         finally:
             engine.executor.on_loaded = None
