@@ -267,6 +267,7 @@ class SegmentedExecutor:
         self._events: list[tuple[object, object]] = []          # CUDA (start, end) copy events
         self._waits: list[tuple[object, object]] = []
         self._timing: list[tuple[object, object]] = []          # CUDA (start, end) of forwards not yet timed
+        self._base = self._base_reserved = 0                    # device bytes not ours at forward start
         self._reset_peak = True
         self._last_plan: Plan | None = None
         self._stale_copies = False
@@ -321,6 +322,8 @@ class SegmentedExecutor:
                 start_ev.record()
             self._last_plan = plan
             self._begin(plan)
+            if self.cuda:
+                self._base = torch.cuda.memory_allocated(self.device) - self.device_bytes
             self._meter = self._make_meter(measure)
             self._meas = {} if self._meter is not None else None
             self._order = []
@@ -329,8 +332,6 @@ class SegmentedExecutor:
             self._input_bytes = _input_bytes(args, kwargs, self.device) if self._meter is not None else 0
             if self._meter is not None:
                 self._meter.start()
-            if self.cuda:
-                self._base = torch.cuda.memory_allocated(self.device) - self.device_bytes
             self._install_hooks(plan)
             out = fn(*args, **kwargs)
             ok = True
@@ -395,8 +396,11 @@ class SegmentedExecutor:
             torch.cuda.empty_cache()  # hazard: freed buffers stay reserved, lost to other programs
 
     def invalidate(self) -> None:
-        """The host changed the weights in place (hook LoRAs): device copies held between
-        forwards are stale; the next forward copies them again."""
+        """The host writes (or wrote) into the weights in place (hook LoRAs): device copies held
+        between forwards are stale; the next forward copies them again. Called before the write,
+        it also makes the write safe."""
+        if self.cuda:
+            self._copy_stream.synchronize()  # hazard: the host writing masters a prefetch still reads
         self._stale_copies = True
 
     def _release_others(self) -> None:
