@@ -20,6 +20,7 @@ from comfy.patcher_extension import CallbacksMP
 
 from ..vramcut_core import BudgetError, Engine, EngineConfig
 from ..vramcut_core.tensors import GIB, fmt_bytes
+from . import streams
 
 log = logging.getLogger("vramcut")
 
@@ -143,6 +144,7 @@ class PatchState:
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
                                pinned=self.pinned)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
+            streams.attach(eng, dev)
             for w in eng.unitset.warnings:
                 log.warning("VRAMCut %s: %s", self.kind, w)
             self._engines[module] = eng
@@ -218,6 +220,20 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         # merges them (same precision, same rounding), instead of being recomputed every forward.
         return super().load(device_to, lowvram_model_memory=1, force_patch_weights=True,
                             full_load=False, **kwargs)
+
+    def patch_hooks(self, *args, **kwargs):
+        st = state_of(self)
+        if st is not None:
+            streams.weights_changing(st)  # hook weights are written in place: engines copy again
+        return super().patch_hooks(*args, **kwargs)
+
+    def get_free_memory(self, device):
+        # weights the engines hold between forwards are theirs to give back, not used memory:
+        # the host batches cond and uncond by this figure
+        base = getattr(super(), "get_free_memory", None)  # a patcher method in newer hosts only
+        free = base(device) if base is not None else mm.get_free_memory(device)
+        st = state_of(self)
+        return free + (streams.held_bytes(st) if st is not None else 0)
 
     def model_size(self):
         real = super().model_size()
