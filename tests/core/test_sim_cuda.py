@@ -532,3 +532,71 @@ def test_activation_need_and_held_bytes(sim):
             eng.run(model, x)
             assert eng.held_bytes == eng.executor.device_bytes > 0
         assert eng.held_bytes == 0
+
+
+def test_weights_the_host_pinned_are_copied_from_where_they_are(sim):
+    """Newer hosts page-lock offloaded weights themselves: no second host copy is made."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(TransformerStack())
+        x = ids()
+        ref = model(x)
+    rt = torch.cuda.cudart()
+    ptrs = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    for ptr, n in ptrs.items():
+        rt.cudaHostRegister(ptr, n, 0)
+    calls = len(sim.register_calls)
+    with torch.no_grad():
+        eng = cuda_engine(model, budget_for(model, x))
+        with eng.session():
+            outs = [eng.run(model, x) for _ in range(3)]
+        assert len(sim.register_calls) == calls, "weights already page-locked are not copied again"
+        assert all(torch.equal(o, ref) for o in outs)
+    torch.cuda.synchronize()
+    for ptr in ptrs:
+        rt.cudaHostUnregister(ptr)
+
+
+def test_masters_rebuilt_when_the_host_moves_the_weights(sim):
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(TransformerStack())
+        x = ids()
+        ref = model(x)
+    with torch.no_grad():
+        eng = cuda_engine(model, budget_for(model, x))
+        with eng.session():
+            eng.run(model, x)
+            eng.run(model, x)
+        with sim.host_memory():
+            for p in model.parameters():      # the host loads other storage into the same objects
+                p.data = p.data.clone()
+        with eng.session():
+            outs = [eng.run(model, x) for _ in range(2)]
+    assert all(torch.equal(o, ref) for o in outs)
+
+
+@pytest.mark.parametrize("how", ["raises", "unregistered_by_someone_else"])
+def test_registration_failures_of_every_kind_leave_no_pending_error(sim, how):
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(TransformerStack())
+        x = ids()
+        ref = model(x)
+    with torch.no_grad():
+        budget = budget_for(model, x)
+        for m in list(ex._SHARED_MASTERS.values()):
+            m.release()
+        ex._SHARED_MASTERS.clear()
+        eng = cuda_engine(model, budget)
+        if how == "raises":
+            def boom(ptr, size):
+                raise RuntimeError("cudaHostRegister binding failed")
+            sim.register_error = boom
+        with eng.session():
+            outs = [eng.run(model, x) for _ in range(2)]
+        if how == "unregistered_by_someone_else":
+            torch.cuda.synchronize()
+            for ptr in list(sim.registered):
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        eng.executor.forget_units()        # unregisters what it holds: fails for each
+        assert sim.pending_error is None
+        outs.append(eng.run(model, x))
+    assert all(torch.equal(o, ref) for o in outs)
