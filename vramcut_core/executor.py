@@ -22,6 +22,15 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   never overwrites weights that queued kernels still read.
 * Exact restore. Hooks are removed and every tensor is pointed back at its master in
   ``finally``: after a forward, an exception or an interrupt the module is as it was.
+* Host masters are owned for the process: shared by executors on the same tensors, kept across
+  sessions, page-locked up to a cap (``PIN_FRACTION`` of RAM, portable to every GPU), unpinned by
+  a finalizer once the copies reading them have finished. A failed registration's pending CUDA
+  error is cleared where it happens. A pageable master is copied through a page-locked staging
+  buffer, so the copy stays asynchronous.
+* Other readers. Streams the host reads weights on (offload-stream casts) are handed in as
+  ``reader_streams`` and wait on the same copy events as the compute stream.
+* Every CUDA synchronisation point carries a comment naming the hazard it prevents; the tests
+  run this branch on a simulated accelerator (tests/sim_cuda.py) that fails on each hazard.
 """
 from __future__ import annotations
 
