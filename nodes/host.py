@@ -35,6 +35,7 @@ from ..vramcut_core import BudgetError, Engine, EngineConfig
 from ..vramcut_core import bandwidth
 from ..vramcut_core.report import cost_to_json
 from ..vramcut_core.tensors import GIB, fmt_bytes
+from . import streams
 
 log = logging.getLogger("vramcut")
 
@@ -169,6 +170,7 @@ class PatchState:
                                pinned=self.pinned)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
             eng.executor.alloc_context = host_allocation_pause()
+            streams.attach(eng, dev)
             for w in eng.unitset.warnings:
                 log.warning("VRAMCut %s: %s", self.kind, w)
             self._engines[module] = eng
@@ -415,6 +417,20 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
             return super().detach(unpatch_all=unpatch_all)
         finally:
             _give_back_to_dynamic(self.model)  # the host loads another clone of this model next
+
+    def patch_hooks(self, *args, **kwargs):
+        st = state_of(self)
+        if st is not None:
+            streams.weights_changing(st)  # hook weights are written in place: engines copy again
+        return super().patch_hooks(*args, **kwargs)
+
+    def get_free_memory(self, device):
+        # weights the engines hold between forwards are theirs to give back, not used memory:
+        # the host batches cond and uncond by this figure
+        base = getattr(super(), "get_free_memory", None)  # a patcher method in newer hosts only
+        free = base(device) if base is not None else mm.get_free_memory(device)
+        st = state_of(self)
+        return free + (streams.held_bytes(st) if st is not None else 0)
 
     def model_size(self):
         real = super().model_size()

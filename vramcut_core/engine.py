@@ -50,7 +50,7 @@ class Engine:
         self._all: dict[str, Unit] = {}
         self._reset_units()
         self.executor = SegmentedExecutor(self._lookup, config.device,
-                                          track_cpu_memory=config.track_cpu_memory)
+                                          track_cpu_memory=config.track_cpu_memory, module=module)
         self._plans: dict[tuple, Plan] = {}
         self._failed: dict[tuple, BudgetError] = {}
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
@@ -167,6 +167,27 @@ class Engine:
         self.executor.keep_buffers = keep
         if not keep and not self.executor.running:
             self.executor.release()
+
+    def weights_changed(self) -> None:
+        """The host wrote into the module's weights in place (hook LoRAs between forwards):
+        device copies held between forwards are copied again before the next forward reads them."""
+        self.executor.invalidate()
+
+    def order_streams(self, streams: Callable[[], list] | None) -> None:
+        """``streams()`` lists the other streams that may read weights while they are swapped in
+        (a host's offload streams); each is ordered after the copies, as the compute stream is."""
+        self.executor.reader_streams = streams
+
+    def activation_need(self, args: tuple = (), kwargs: dict | None = None) -> int | None:
+        """Measured activation bytes of a forward with these inputs (None before it has run):
+        what a host should count for the call, the weights being the engine's own business."""
+        plan = self.plan_for(args, kwargs)
+        return None if plan is None else plan.activation_reserve_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes the engine holds now (weights kept between forwards)."""
+        return self.executor.device_bytes
 
     def run(self, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)``, a forward of the module, segmented under the budget."""

@@ -22,12 +22,23 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   never overwrites weights that queued kernels still read.
 * Exact restore. Hooks are removed and every tensor is pointed back at its master in
   ``finally``: after a forward, an exception or an interrupt the module is as it was.
+* Host masters are owned for the process: shared by executors on the same tensors, kept across
+  sessions, page-locked up to a cap (``PIN_FRACTION`` of RAM, portable to every GPU), unpinned by
+  a finalizer once the copies reading them have finished. A failed registration's pending CUDA
+  error is cleared where it happens. A pageable master is copied through a page-locked staging
+  buffer, so the copy stays asynchronous.
+* Other readers. Streams the host reads weights on (offload-stream casts) are handed in as
+  ``reader_streams`` and wait on the same copy events as the compute stream.
+* Every CUDA synchronisation point carries a comment naming the hazard it prevents; the tests
+  run this branch on a simulated accelerator (tests/sim_cuda.py) that fails on each hazard.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -67,38 +78,142 @@ def _view(buf: torch.Tensor, off: int, n: int, like: torch.Tensor) -> torch.Tens
     return buf[off:off + n].view(like.dtype).view(like.shape)
 
 
-class _HostMaster:
-    """One unit's plain tensors in a single flat host buffer, page-locked when possible."""
+# -- host memory ------------------------------------------------------------------------------
 
-    def __init__(self, unit: Unit, layout: _Layout) -> None:
-        self.buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+_HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every GPU, not only the current one
+PIN_FRACTION = 0.45           # at most this share of physical RAM is page-locked by the pack
+                              # (Windows refuses past about half of RAM; the host pins too)
+
+
+def _placement(device: torch.device) -> torch.device:
+    """Where tensors for ``device`` are created: the device itself (a simulated accelerator in the
+    tests maps it to host memory)."""
+    return device
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _physical_ram() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        try:
+            import psutil
+            return int(psutil.virtual_memory().total)
+        except Exception:
+            return None
+
+
+class _PinLedger:
+    """Bytes the pack has page-locked in this process, against a cap."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.cap: int | None = None
+
+    def limit(self) -> int | None:
+        if self.cap is None:
+            ram = _physical_ram()
+            self.cap = int(ram * PIN_FRACTION) if ram else -1
+        return None if self.cap < 0 else self.cap
+
+    def allows(self, n: int) -> bool:
+        cap = self.limit()
+        return cap is None or self.bytes + n <= cap
+
+
+PINNED = _PinLedger()
+
+
+def _clear_cuda_error(place: torch.device) -> None:
+    """A failed runtime call (cudaHostRegister) stays the thread's last CUDA error, and the next
+    unrelated kernel launch would raise it ("CUDA error: out of memory", not an OutOfMemoryError).
+    A tiny kernel launch reads and clears it here, where it is expected."""
+    try:
+        torch.empty(1, dtype=torch.uint8, device=place).zero_()
+    except RuntimeError:
+        pass
+
+
+def _unpin(buf: torch.Tensor, readers: dict, place: torch.device) -> None:
+    """Unregister a master (finalizer and release share it): first wait for every copy that may
+    still read it."""
+    for ev in list(readers.values()):
+        ev.synchronize()  # hazard: unregistering host memory an in-flight copy still reads
+    readers.clear()
+    try:
+        err = torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        if int(getattr(err, "value", err)) != 0:
+            _clear_cuda_error(place)
+    except Exception:
+        _clear_cuda_error(place)
+    PINNED.bytes -= buf.numel()
+
+
+def _staged(buf: torch.Tensor, place: torch.device) -> tuple[torch.Tensor, bool]:
+    """A page-locked copy of a pageable master from torch's host allocator (reused after the copy
+    that reads it has finished), so the device copy stays asynchronous; the master itself where
+    that fails."""
+    try:
+        return buf.pin_memory(), True
+    except RuntimeError:
+        _clear_cuda_error(place)
+        return buf, False
+
+
+_SHARED_MASTERS: "weakref.WeakValueDictionary[tuple, _HostMaster]" = weakref.WeakValueDictionary()
+_EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+class _HostMaster:
+    """One unit's plain tensors in a single flat host buffer, page-locked when possible.
+
+    Owned for the process: shared by every executor on the same tensors, kept across sessions,
+    unregistered when the last owner drops it (after the copies reading it have finished)."""
+
+    def __init__(self, unit: Unit, layout: _Layout, place: torch.device | None = None) -> None:
+        # outside inference mode: the parameters will live in this buffer for good, and must not
+        # turn into inference tensors (training nodes leave inference mode)
+        with torch.inference_mode(False):
+            self.buf = _host_buffer(layout.nbytes)
+            for i, off, n in layout.flat:
+                t = unit.tensors[i].tensor
+                _view(self.buf, off, n, t).copy_(t.data)
+            for i, off, n in layout.flat:  # the flat buffer is now the master: drop the old storage
+                t = unit.tensors[i].tensor
+                t.data = _view(self.buf, off, n, t)
         self.pinned = False
-        for i, off, n in layout.flat:
-            t = unit.tensors[i].tensor
-            _view(self.buf, off, n, t).copy_(t.data)
-        for i, off, n in layout.flat:  # the flat buffer is now the master: drop the old storage
-            t = unit.tensors[i].tensor
-            t.data = _view(self.buf, off, n, t)
-        if self.buf.numel():
+        self.readers: dict[int, object] = {}   # copy stream id -> event of its last copy from here
+        self._fin = None
+        place = place if place is not None else torch.device("cuda")
+        if self.buf.numel() and PINNED.allows(self.buf.numel()):
             try:
-                err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
+                err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(),
+                                                           _HOST_REGISTER_PORTABLE)
                 self.pinned = int(getattr(err, "value", err)) == 0
             except Exception:
                 self.pinned = False
+            if self.pinned:
+                PINNED.bytes += self.buf.numel()
+                self._fin = weakref.finalize(self, _unpin, self.buf, self.readers, place)
+            else:
+                _clear_cuda_error(place)
 
     def backs(self, unit: Unit, layout: _Layout) -> bool:
         """Do the unit's tensors still live in this buffer?"""
         base = self.buf.data_ptr()
         return all(unit.tensors[i].tensor.data_ptr() == base + off for i, off, _ in layout.flat)
 
+    def read_by(self, stream, done) -> None:
+        self.readers[id(stream)] = done
+
     def release(self) -> None:
-        """Unpin; the tensors keep living in the (now pageable) buffer."""
-        if self.pinned:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
-            except Exception:
-                pass
-            self.pinned = False
+        """Unpin (after the copies reading it); the tensors keep living in the pageable buffer."""
+        if self._fin is not None:
+            self._fin()
+        self.pinned = False
 
 
 class _DeviceCopy:
@@ -127,9 +242,11 @@ class SegmentedExecutor:
     """
 
     def __init__(self, units: Callable[[str], Unit], device: torch.device | str,
-                 pin_memory: bool | None = None, track_cpu_memory: bool = False) -> None:
+                 pin_memory: bool | None = None, track_cpu_memory: bool = False,
+                 module: nn.Module | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self._place = _placement(self.device)
         self._unit = units
         self._pin = self.cuda if pin_memory is None else (pin_memory and self.cuda)
         self.track_cpu_memory = track_cpu_memory  # meter every CPU forward (slow), not only measured ones
@@ -168,6 +285,20 @@ class SegmentedExecutor:
         # buffers, and on_loaded's): a host that records the forward's allocations into a graph
         # (newer ComfyUI's malloc graphs) pauses the recording there, since ours do not repeat.
         self.alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self._timing: list[tuple[object, object]] = []          # CUDA (start, end) of forwards not yet timed
+        self._base = self._base_reserved = 0                    # device bytes not ours at forward start
+        self._reset_peak = True
+        self._last_plan: Plan | None = None
+        self._stale_copies = False
+        # Other streams that read the weights while they are swapped in (the host's offload
+        # streams): each waits on the same copy events as the compute stream.
+        self.reader_streams: Callable[[], list] | None = None
+        if module is not None:  # executors on one module hold device buffers one at a time
+            _EXECUTORS.setdefault(module, weakref.WeakSet()).add(self)
+        self._module = weakref.ref(module) if module is not None else None
+        # Collected without release (an interrupted run, an engine replaced): hooks go, host
+        # masters are unpinned once the copies reading them have finished.
+        weakref.finalize(self, _finalize_executor, self._copy_stream, self._hooks, self._masters)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -198,7 +329,20 @@ class SegmentedExecutor:
         t0 = time.perf_counter()
         start_ev = end_ev = None
         try:
+            self._release_others()
+            if self.cuda:
+                # Peaks are process-wide statistics: reset only when this forward measures, or
+                # switches plans (the switch is where the old and new buffers could overlap).
+                self._reset_peak = measure or plan is not self._last_plan
+                if self._reset_peak:
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    self._base_reserved = torch.cuda.memory_reserved(self.device) - self.device_bytes
+                start_ev = torch.cuda.Event(enable_timing=True)
+                start_ev.record()
+            self._last_plan = plan
             self._begin(plan)
+            if self.cuda:
+                self._base = torch.cuda.memory_allocated(self.device) - self.device_bytes
             self._meter = self._make_meter(measure)
             self._meas = {} if self._meter is not None else None
             self._order = []
@@ -207,11 +351,6 @@ class SegmentedExecutor:
             self._input_bytes = _input_bytes(args, kwargs, self.device) if self._meter is not None else 0
             if self._meter is not None:
                 self._meter.start()
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-                self._base = torch.cuda.memory_allocated(self.device) - self.device_bytes
-                start_ev = torch.cuda.Event(enable_timing=True)
-                start_ev.record()
             self._install_hooks(plan)
             out = fn(*args, **kwargs)
             ok = True
@@ -259,21 +398,46 @@ class SegmentedExecutor:
         if self._running:
             raise RuntimeError("cannot release while a forward runs")
         if self.cuda:
-            self._copy_stream.synchronize()
+            self._copy_stream.synchronize()  # hazard: freeing slots a prefetch is still writing
+            # hazard: freeing buffers that queued kernels on the compute stream still read
             torch.cuda.current_stream(self.device).synchronize()
         self._remove_hooks()
         self._restore_all()
         self._resident.clear()
         self._slots.clear()
-        for m in self._masters.values():
-            m.release()
-        self._masters.clear()
+        # host masters stay (pinned, owned for the process): the next session streams at once
         self._events.clear()
+        self._timing.clear()
         self.device_bytes = 0
+        self._last_plan = None
+        self._stale_copies = False
+        if self.cuda:
+            torch.cuda.empty_cache()  # hazard: freed buffers stay reserved, lost to other programs
+
+    def invalidate(self) -> None:
+        """The host writes (or wrote) into the weights in place (hook LoRAs): device copies held
+        between forwards are stale; the next forward copies them again. Called before the write,
+        it also makes the write safe."""
+        if self.cuda:
+            self._copy_stream.synchronize()  # hazard: the host writing masters a prefetch still reads
+        self._stale_copies = True
+
+    def _release_others(self) -> None:
+        """Another executor on the same module (two nodes on one model) gives its buffers back
+        before this one allocates: the device never holds both budgets."""
+        mod = self._module() if self._module is not None else None
+        if mod is None:
+            return
+        for other in list(_EXECUTORS.get(mod, ())):
+            if other is not self and not other.running and other.device_bytes:
+                other.release()
 
     def forget_units(self) -> None:
         """Drop layouts and masters (the module's tensors were replaced from outside)."""
         self.release()
+        for m in self._masters.values():
+            m.release()
+        self._masters.clear()
         self._layouts.clear()
 
     # -- buffers ---------------------------------------------------------------------------
@@ -281,7 +445,7 @@ class SegmentedExecutor:
     def _alloc(self, nbytes: int) -> torch.Tensor:
         ctx = self._meter.paused() if isinstance(self._meter, CPUMeter) else contextlib.nullcontext()
         with ctx, self.alloc_context():
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._place)
         self._account(nbytes)
         return buf
 
@@ -302,27 +466,25 @@ class SegmentedExecutor:
     def _begin(self, plan: Plan) -> None:
         self._plan = plan
         resident = set(plan.resident_units)
-        # free what the new plan no longer keeps, before allocating anything new
-        for name in [n for n in self._resident if n not in resident]:
-            buf, dc = self._resident.pop(name)
-            self._account(-buf.numel() - self._other_bytes(dc))
-        want_slots = plan.slots
-        if len(self._slots) > want_slots or any(s.buf.numel() != plan.slot_bytes for s in self._slots):
-            if self.cuda:
-                self._copy_stream.synchronize()
-            for s in self._slots:
-                self._account(-s.buf.numel() - self._other_bytes(s.copy))
-            self._slots = []
-        for s in self._slots:  # a unit the new plan keeps resident must not also sit in a slot
-            if s.copy.unit in resident:
-                self._account(-self._other_bytes(s.copy))
-                s.copy = _DeviceCopy()
+        # free what the new plan no longer keeps, before allocating anything new (helpers, so
+        # that no local variable keeps a freed buffer alive)
+        freed = self._free_unkept(resident, plan)
+        if self._stale_copies:
+            self._drop_slot_copies(lambda _n: True)
+        else:  # a unit the new plan keeps resident must not also sit in a slot
+            self._drop_slot_copies(lambda n: n in resident)
+        if freed and self.cuda:
+            torch.cuda.empty_cache()  # hazard: the freed blocks stay reserved next to the new ones
         self._resident_names = resident
+        want_slots = plan.slots
         for name in plan.resident_units:
             if name not in self._resident:
                 buf = self._alloc(self.layout(name).nbytes)
-                dc = self._load(name, buf, sync=True)
-                self._resident[name] = (buf, dc)
+                self._resident[name] = (buf, self._load(name, buf, sync=True))
+                del buf
+            elif self._stale_copies:  # the host wrote into the masters: copy them again
+                self._reload_resident(name)
+        self._stale_copies = False
         while len(self._slots) < want_slots:
             self._slots.append(_Slot(self._alloc(plan.slot_bytes), _DeviceCopy()))
         order = plan.streamed_order
@@ -348,6 +510,32 @@ class SegmentedExecutor:
         if order and plan.slots and self._slot_of(order[0]) is None:
             self._load_into_slot(order[0], self._slots[0], sync=not self.cuda)
 
+    def _free_unkept(self, resident: set, plan: Plan) -> bool:
+        freed = False
+        for name in [n for n in self._resident if n not in resident]:
+            buf, dc = self._resident.pop(name)
+            self._account(-buf.numel() - self._other_bytes(dc))
+            freed = True
+        if len(self._slots) > plan.slots or any(s.buf.numel() != plan.slot_bytes for s in self._slots):
+            if self.cuda:
+                self._copy_stream.synchronize()  # hazard: freeing a slot a prefetch still writes
+            for s in self._slots:
+                self._account(-s.buf.numel() - self._other_bytes(s.copy))
+            self._slots = []
+            freed = True
+        return freed
+
+    def _drop_slot_copies(self, drop: Callable[[str], bool]) -> None:
+        for s in self._slots:
+            if s.copy.unit is not None and drop(s.copy.unit):
+                self._account(-self._other_bytes(s.copy))
+                s.copy = _DeviceCopy()
+
+    def _reload_resident(self, name: str) -> None:
+        buf, dc = self._resident[name]
+        self._account(-self._other_bytes(dc))
+        self._resident[name] = (buf, self._load(name, buf, sync=True))
+
     def _other_bytes(self, dc: _DeviceCopy) -> int:
         if dc.unit is None:
             return 0
@@ -362,12 +550,18 @@ class SegmentedExecutor:
         unit, lay = self._unit(name), self.layout(name)
         m = self._masters.get(name)
         if m is not None and not m.backs(unit, lay):
-            m.release()  # someone moved the tensors since (another engine, the host): rebuild
+            m.release()  # someone moved the tensors since (the host): rebuild
             m = None
         if m is None:
-            if not lay.flat or any(unit.tensors[i].tensor.is_pinned() for i, _, _ in lay.flat):
+            if not lay.flat:
                 return None
-            m = self._masters[name] = _HostMaster(unit, lay)
+            key = tuple(id(unit.tensors[i].tensor) for i, _, _ in lay.flat)
+            m = _SHARED_MASTERS.get(key)  # another executor on the same tensors built it
+            if m is None or not m.backs(unit, lay):
+                if any(unit.tensors[i].tensor.is_pinned() for i, _, _ in lay.flat):
+                    return None  # the host page-locked them itself: copy from where they are
+                m = _SHARED_MASTERS[key] = _HostMaster(unit, lay, self._place)
+            self._masters[name] = m
         return m
 
     def _load(self, name: str, buf: torch.Tensor, sync: bool) -> _DeviceCopy:
@@ -389,12 +583,17 @@ class SegmentedExecutor:
                 ev = torch.cuda.Event()
                 ev.record(compute)
                 ev_start = torch.cuda.Event(enable_timing=True)
+            src_buf, async_ok = None, False
+            if master is not None and lay.nbytes:
+                # a pageable master would make the copy wait for the compute stream on the host
+                src_buf, async_ok = (master.buf, True) if master.pinned else _staged(master.buf, self._place)
             with stream_ctx:
                 if self.cuda:
+                    # hazard: overwriting a slot that queued kernels (compute or host readers) still read
                     self._copy_stream.wait_event(ev)
                     ev_start.record(self._copy_stream)
-                if master is not None and lay.nbytes:
-                    buf[:lay.nbytes].copy_(master.buf, non_blocking=master.pinned)
+                if src_buf is not None:
+                    buf[:lay.nbytes].copy_(src_buf, non_blocking=async_ok)
                     for i, off, n in lay.flat:
                         dc.views[i] = _view(buf, off, n, unit.tensors[i].tensor)
                 else:
@@ -405,7 +604,7 @@ class SegmentedExecutor:
                         dc.views[i] = v
                 for i in lay.other:
                     src = self._host(name, i)
-                    dev = src.to(self.device, non_blocking=self.cuda)
+                    dev = src.to(self._place, non_blocking=self.cuda, copy=True)
                     if self.cuda:
                         # allocated on the copy stream, used on the compute stream: keep the
                         # allocator from reusing it before compute is done with it
@@ -416,6 +615,9 @@ class SegmentedExecutor:
                     done.record(self._copy_stream)
                     dc.ready = done
                     self._events.append((ev_start, done))
+                    if master is not None:
+                        master.read_by(self._copy_stream, done)
+            del src_buf  # a staging buffer goes back to torch's host cache (reused after the copy)
         if lay.other:
             self._account(lay.other_bytes)
         st = self._stats
@@ -426,8 +628,16 @@ class SegmentedExecutor:
             if not self.cuda:
                 st.time_copy_s += time.perf_counter() - t0
         if self.cuda and sync:
-            torch.cuda.current_stream(self.device).wait_event(dc.ready)
+            self._order_readers(dc.ready)
         return dc
+
+    def _order_readers(self, ready) -> None:
+        """Every stream that reads the weights waits for the copy that put them there."""
+        # hazard: compute reading a buffer before its copy has landed
+        torch.cuda.current_stream(self.device).wait_event(ready)
+        if self.reader_streams is not None:
+            for s in self.reader_streams():
+                s.wait_event(ready)  # hazard: a host offload stream casting a weight not yet copied
 
     def _host(self, name: str, i: int) -> torch.Tensor:
         """The host master of tensor ``i`` of unit ``name`` (what it points at when not swapped)."""
@@ -549,7 +759,7 @@ class SegmentedExecutor:
                 # compute must not read the slot before its copy has landed
                 if not slot.copy.ready.query():
                     a = self._cuda_mark()
-                    torch.cuda.current_stream(self.device).wait_event(slot.copy.ready)
+                    self._order_readers(slot.copy.ready)
                     self._waits.append((a, self._cuda_mark()))
                 slot.copy.ready = None
             self._last_streamed = name
@@ -587,13 +797,15 @@ class SegmentedExecutor:
         self._remove_hooks()
         self._hooked = key
         hooks = self._hooks
+        ref = weakref.ref(self)  # hooks must not keep a dropped executor (and its pinned masters) alive
         for pu in plan.units:
             unit = self._unit(pu.name)
-            enter = self._enter
             name = pu.name
 
-            def pre(mod, _args, _name=name, _enter=enter):
-                _enter(_name, mod)
+            def pre(mod, _args, _name=name, _ref=ref):
+                ex = _ref()
+                if ex is not None:
+                    ex._enter(_name, mod)
 
             for m in unit.hook_modules:
                 hooks.append(m.register_forward_pre_hook(pre))
@@ -601,7 +813,7 @@ class SegmentedExecutor:
     def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._hooks = []
+        self._hooks.clear()
         self._hooked = None
 
     # -- measurement and stats ---------------------------------------------------------------
@@ -636,18 +848,27 @@ class SegmentedExecutor:
         # The forward's own kernels must be done to time it (the caller reads the output next
         # anyway). The copy stream is not waited for: the prefetch for the next forward keeps
         # running, and copies still in flight are counted when they have landed.
-        end_ev.synchronize()
+        # Nothing is waited for here (the CPU runs ahead into the next forward): events that
+        # have completed are timed now, the others when a later forward ends.
+        if self._reset_peak:
+            # a peak read needs this forward's kernels done (only measured or switching forwards)
+            end_ev.synchronize()
+            stats.peak_device_bytes = max(torch.cuda.max_memory_allocated(self.device) - self._base,
+                                          torch.cuda.max_memory_reserved(self.device) - self._base_reserved)
         done, pending = [], []
         for pair in self._events:
             (done if pair[1].query() else pending).append(pair)
         self._events = pending
         stats.time_copy_s = sum(a.elapsed_time(b) for a, b in done) / 1e3
-        stats.time_wait_s += sum(a.elapsed_time(b) for a, b in self._waits) / 1e3
+        waited = [p for p in self._waits if p[1].query()]
+        self._waits = [p for p in self._waits if p not in waited]
+        stats.time_wait_s += sum(a.elapsed_time(b) for a, b in waited) / 1e3
         if start_ev is not None:
-            total = start_ev.elapsed_time(end_ev) / 1e3
-            stats.time_compute_s = max(0.0, total - stats.time_wait_s)
-        stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-        self._waits.clear()
+            self._timing.append((start_ev, end_ev))
+        timed = [p for p in self._timing if p[1].query()]
+        self._timing = [p for p in self._timing if p not in timed]
+        total = sum(a.elapsed_time(b) for a, b in timed) / 1e3
+        stats.time_compute_s = max(0.0, total - stats.time_wait_s)
 
 
 def _input_bytes(args, kwargs, device: torch.device) -> int:
@@ -666,3 +887,14 @@ def _input_bytes(args, kwargs, device: torch.device) -> int:
                 seen.add(ptr)
                 total += t.untyped_storage().nbytes()
     return total
+
+
+def _finalize_executor(copy_stream, hooks: list, masters: dict) -> None:
+    """An executor collected without ``release``: hooks off the module, its masters dropped (the
+    last owner's drop unpins one, after the copies that read it)."""
+    if copy_stream is not None:
+        copy_stream.synchronize()  # hazard: buffers freed with this executor while copies write them
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+    masters.clear()  # a master no other executor shares is unpinned by its own finalizer

@@ -167,14 +167,19 @@ class CPUMeter(Meter):
 
 
 class CUDAMeter(Meter):
-    """The caching allocator's allocated bytes, less the executor's own buffers."""
+    """The caching allocator's allocated bytes, less the executor's own buffers. A unit's peak
+    is also taken in reserved bytes (blocks the allocator could not reuse: fragmentation, other
+    streams' pools), the larger of the two: reserved is what other programs lose."""
 
     def __init__(self, device: torch.device, own_bytes) -> None:
         self.device = device
         self._own = own_bytes  # callable: bytes the executor holds on the device now
+        self._reserved0 = 0
 
     def start(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+        # reserved before the forward, less the executor's own: activations reuse it first
+        self._reserved0 = torch.cuda.memory_reserved(self.device) - self._own()
 
     def stop(self) -> None:
         pass
@@ -190,4 +195,6 @@ class CUDAMeter(Meter):
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
-        return max(0, torch.cuda.max_memory_allocated(self.device) - self._own())
+        own = self._own()
+        return max(0, torch.cuda.max_memory_allocated(self.device) - own,
+                   torch.cuda.max_memory_reserved(self.device) - own - self._reserved0)

@@ -1,0 +1,43 @@
+"""The adapter's view of the host's own GPU use (nodes/streams.py): offload streams, weights
+written in place by hook LoRAs, and memory the engines hold."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import tiny_models as tm
+
+
+def test_no_offload_streams_on_cpu(comfy, pack):
+    streams = sys.modules[pack.__name__ + ".nodes.streams"]
+    assert streams.offload_streams(torch.device("cpu")) == []
+
+
+def test_hook_patching_announces_the_write_and_free_memory_counts_held_weights(comfy, max_vram, pack):
+    import comfy.model_management as mm
+
+    host = sys.modules[pack.__name__ + ".nodes.host"]
+    Engine = sys.modules[pack.__name__ + ".vramcut_core.engine"].Engine
+    model = tm.load_tiny_sd3(depth=4)
+    (patched, _, _), _ = max_vram(0.05, model=model)
+    st = host.state_of(patched)
+    engines = list(st._engines.values())
+    assert engines, "the node builds the engine to show its plan"
+    calls = []
+    orig = Engine.weights_changed
+    Engine.weights_changed = lambda self: (calls.append(self), orig(self))[1]
+    try:
+        patched.patch_hooks(None)
+    finally:
+        Engine.weights_changed = orig
+    assert calls == engines, "every engine hears of the in-place write before it happens"
+    dev = torch.device("cpu")
+    mm_free = mm.get_free_memory
+    mm.get_free_memory = lambda *a, **k: 1 << 30
+    engines[0].executor.device_bytes = 12345   # as if it held weights between forwards
+    try:
+        assert patched.get_free_memory(dev) == (1 << 30) + 12345
+    finally:
+        engines[0].executor.device_bytes = 0
+        mm.get_free_memory = mm_free

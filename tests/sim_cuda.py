@@ -1,0 +1,667 @@
+"""A simulated accelerator: runs the executor's CUDA branch on CPU, for tests.
+
+Stand-ins (patched in for one test) for exactly the ``torch.cuda`` pieces the executor and the
+meter use: streams (``Stream``, ``current_stream``, ``stream(...)``), events (record, wait,
+query, synchronize, elapsed_time), ``cudart()`` host registration, memory statistics, and the
+tensor methods ``record_stream``, ``is_pinned`` and ``pin_memory``. "Device" tensors are CPU
+tensors the simulator tracks (the executor's placement seam maps the device to the CPU).
+
+What it checks, with the happens-before order of the streams (vector clocks, like
+``TORCH_CUDA_SANITIZER``, but over byte ranges of storages, so views into one flat buffer count):
+
+* the compute (default) stream runs each operator at once; copies issued on any other stream
+  (``copy_``, ``.to(..., copy=True)``, dtype casts) are DEFERRED until something orders them
+  (an event wait, a synchronize), so reading a slot too early reads stale bytes (NaN-filled);
+* a read of bytes before the write to them is ordered, a write over bytes another stream may
+  still read, a write racing another write;
+* a device block freed while another stream may still use it (unless ``record_stream`` told the
+  allocator);
+* a host buffer unregistered while a copy may read it; a registration left on a freed buffer;
+* a failed runtime call's pending error: the next device operator raises, as CUDA's does.
+
+Hazards are collected in ``sim.hazards`` (finalizers cannot raise); the fixture fails the test
+on any. Memory statistics come from a counting allocator with per-stream pools, block splitting
+and coalescing, so ``memory_reserved`` differs from ``memory_allocated`` the way it does on a GPU
+(cached blocks, the copy stream's pool) until ``empty_cache``.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+ROUND = 16   # a GPU allocator rounds to 512 B in 2 MB+ segments: nothing at model scale, but all
+             # there is at toy scale; the real rounding is what bench/gpu_check.py measures
+NAN_FILL = 0xFF  # fresh device memory: bytes that read as NaN in float views
+
+ERR_MEMORY_ALLOCATION = 2           # cudaErrorMemoryAllocation
+ERR_HOST_MEMORY_ALREADY_REGISTERED = 712
+ERR_HOST_MEMORY_NOT_REGISTERED = 713
+
+
+class PendingCudaError(RuntimeError):
+    pass
+
+
+# -- allocator --------------------------------------------------------------------------------
+
+class _Block:
+    __slots__ = ("seg", "off", "size", "free", "prev")
+
+    def __init__(self, seg, off, size, free=False):
+        self.seg, self.off, self.size, self.free = seg, off, size, free
+        self.prev: list = []   # (stream id, position) of other streams' uses when it was freed
+
+
+class _Segment:
+    """One stream's pool: an arena that grows at its end (the real allocator's large segments
+    and expandable segments coalesce the same way)."""
+
+    def __init__(self, stream_id: int) -> None:
+        self.stream_id, self.size = stream_id, 0
+        self.blocks: list[_Block] = []
+
+
+class SimAllocator:
+    """Caching allocator model: a pool per stream, best fit, split and coalesce, cached until
+    ``empty_cache``. Sizes round to ``ROUND`` bytes. ``on_reuse(stream_id, block)`` is called
+    when freed memory is handed out again (the simulator checks it is safe)."""
+
+    def __init__(self, on_reuse=None) -> None:
+        self.pools: dict[int, _Segment] = {}
+        self.allocated = self.reserved = 0
+        self.max_allocated = self.max_reserved = 0
+        self.at_peak = ""
+        self.at_peak_blocks = 0
+        self.on_reuse = on_reuse
+
+    @property
+    def segments(self):
+        return list(self.pools.values())
+
+    def alloc(self, n: int, stream_id: int) -> _Block | None:
+        if n <= 0:
+            return None
+        n = (n + ROUND - 1) // ROUND * ROUND
+        seg = self.pools.setdefault(stream_id, _Segment(stream_id))
+        best = None
+        for b in seg.blocks:
+            if b.free and b.size >= n and (best is None or b.size < best.size):
+                best = b
+        if best is None:
+            last = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
+            grow = n - (last.size if last else 0)
+            if last is None:
+                last = _Block(seg, seg.size, 0, True)
+                seg.blocks.append(last)
+            last.size += grow
+            seg.size += grow
+            self.reserved += grow
+            best = last
+        if best.prev and self.on_reuse is not None:
+            self.on_reuse(stream_id, best)
+        if best.size > n:
+            rest = _Block(seg, best.off + n, best.size - n, True)
+            rest.prev = list(best.prev)
+            seg.blocks.insert(seg.blocks.index(best) + 1, rest)
+            best.size = n
+        best.free = False
+        best.prev = []
+        self.allocated += n
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        if self.reserved > self.max_reserved:
+            self.max_reserved = self.reserved
+            self.at_peak = self.describe()
+            self.at_peak_blocks = sum(not b.free for seg in self.pools.values() for b in seg.blocks)
+        return best
+
+    def describe(self) -> str:
+        """Pools by stream: reserved, and the blocks in use (for a failure message)."""
+        out = []
+        for seg in self.pools.values():
+            used = [b.size for b in seg.blocks if not b.free]
+            out.append(f"stream {seg.stream_id}: {seg.size} B, used {used}")
+        return f"allocated {self.allocated}, reserved {self.reserved}: " + "; ".join(out)
+
+    def free(self, b: _Block, prev: list) -> None:
+        b.free = True
+        b.prev = list(prev)
+        self.allocated -= b.size
+        blocks = b.seg.blocks
+        i = blocks.index(b)
+        if i + 1 < len(blocks) and blocks[i + 1].free:
+            nxt = blocks.pop(i + 1)
+            b.size += nxt.size
+            b.prev += nxt.prev
+        if i > 0 and blocks[i - 1].free:
+            blocks[i - 1].size += b.size
+            blocks[i - 1].prev += b.prev
+            blocks.pop(i)
+
+    def empty_cache(self) -> None:
+        """Give back the free memory at the end of each pool (what nothing in use pins)."""
+        for seg in self.pools.values():
+            while seg.blocks and seg.blocks[-1].free:
+                b = seg.blocks.pop()
+                seg.size -= b.size
+                self.reserved -= b.size
+
+    def reset_peak(self) -> None:
+        self.max_allocated, self.max_reserved = self.allocated, self.reserved
+
+
+# -- streams and events -----------------------------------------------------------------------
+
+class SimStream:
+    def __init__(self, device=None, priority: int = 0, *, sim: "SimCuda | None" = None, eager=False) -> None:
+        self.sim = sim or SimCuda.active
+        self.id = next(self.sim._ids)
+        self.clock: dict[int, int] = {self.id: 0}
+        self.queue: list = []        # deferred work: ("op", pos, fn) and ("wait", stream, pos)
+        self.done = 0                 # position executed up to
+        self.eager = eager
+        self.device = device
+        self.sim.streams.append(self)
+
+    @property
+    def pos(self) -> int:
+        return self.clock[self.id]
+
+    def issue(self) -> int:
+        self.clock[self.id] += 1
+        if self.eager:
+            self.done = self.clock[self.id]
+        return self.clock[self.id]
+
+    def wait_event(self, ev: "SimEvent") -> None:
+        self.sim.wait(self, ev)
+
+    def wait_stream(self, other: "SimStream") -> None:
+        ev = SimEvent()
+        ev.record(other)
+        self.wait_event(ev)
+
+    def record_event(self, ev: "SimEvent | None" = None) -> "SimEvent":
+        ev = ev or SimEvent()
+        ev.record(self)
+        return ev
+
+    def synchronize(self) -> None:
+        self.sim.host_syncs += 1
+        self.sim.flush(self)
+        self.sim.host_observes(self.clock)
+
+    def query(self) -> bool:
+        return not self.queue
+
+    def __enter__(self):
+        self.sim.stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.sim.stack.pop()
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.id}{', compute' if self.eager else ''})"
+
+
+class SimEvent:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.stream: SimStream | None = None
+        self.pos = 0
+        self.clock: dict[int, int] = {}
+        self.t = 0.0
+
+    def record(self, stream: SimStream | None = None) -> None:
+        sim = SimCuda.active
+        stream = stream or sim.current()
+        self.stream, self.pos, self.clock = stream, stream.pos, dict(stream.clock)
+        self.t = time.perf_counter()
+
+    def wait(self, stream: SimStream | None = None) -> None:
+        (stream or SimCuda.active.current()).wait_event(self)
+
+    def query(self) -> bool:
+        if self.stream is None:
+            return True
+        sim = self.stream.sim
+        if sim.query_completes:
+            sim.flush(self.stream, self.pos)
+        done = self.stream.done >= self.pos
+        if done:
+            sim.host_observes(self.clock)
+        return done
+
+    def synchronize(self) -> None:
+        if self.stream is None:
+            return
+        self.stream.sim.host_syncs += 1
+        self.stream.sim.flush(self.stream, self.pos)
+        self.stream.sim.host_observes(self.clock)
+
+    def elapsed_time(self, end: "SimEvent") -> float:
+        return max(0.0, (end.t - self.t) * 1e3)
+
+
+# -- tracked storages -------------------------------------------------------------------------
+
+class _Rec:
+    """A storage the simulator tracks: device memory, or a host buffer it was told about."""
+
+    def __init__(self, base: int, nbytes: int, host: bool, stream_id: int, block=None) -> None:
+        self.base, self.nbytes, self.host, self.stream_id, self.block = base, nbytes, host, stream_id, block
+        self.acc: dict[tuple, int] = {}    # (stream id, is_write, lo, hi) -> position
+        self.recorded: set[int] = set()    # streams named by record_stream
+        self.torch_pinned = False          # from torch's host allocator (pin_memory)
+        self.alive = True
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    base = t.untyped_storage().data_ptr()
+    lo = t.data_ptr() - base
+    if t.numel() == 0:
+        return lo, lo
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return lo, lo + span * t.element_size()
+
+
+class _CudaRT:
+    """``torch.cuda.cudart()``: host registration, with injectable failures."""
+
+    def __init__(self, sim: "SimCuda") -> None:
+        self.sim = sim
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        sim = self.sim
+        sim.register_calls.append((ptr, size, flags))
+        err = sim.register_error(ptr, size) if sim.register_error else 0
+        if not err and ptr in sim.registered:
+            err = ERR_HOST_MEMORY_ALREADY_REGISTERED
+        if err:
+            sim.pending_error = err
+            return err
+        sim.registered[ptr] = (size, flags)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        sim = self.sim
+        if ptr not in sim.registered:
+            sim.pending_error = ERR_HOST_MEMORY_NOT_REGISTERED
+            return ERR_HOST_MEMORY_NOT_REGISTERED
+        rec = sim.recs.get(ptr)
+        if rec is not None:
+            sim._check_host_quiet(rec, "host buffer unregistered while a copy may read it")
+        del sim.registered[ptr]
+        return 0
+
+
+# -- the simulator ----------------------------------------------------------------------------
+
+class SimCuda:
+    active: "SimCuda | None" = None
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.streams: list[SimStream] = []
+        self.hazards: list[str] = []
+        self.alloc = SimAllocator(self._reused)
+        self.recs: dict[int, _Rec] = {}
+        self.registered: dict[int, tuple[int, int]] = {}
+        self.register_calls: list[tuple[int, int, int]] = []
+        self.register_error = None        # callable(ptr, size) -> CUDA error code (0: success)
+        self.pin_memory_fails = False
+        self.pending_error: int | None = None
+        self.query_completes = False      # event.query() finishes the work (a fast GPU)
+        self.host_clock: dict[int, int] = {}
+        self.host_ctx = 0
+        self.ops = 0
+        self.host_syncs = 0               # host waits (stream, event, device synchronize)
+        self.peak_resets = 0
+        SimCuda.active = self
+        self.compute = SimStream(sim=self, eager=True)
+        self.stack: list[SimStream] = [self.compute]
+
+    @contextlib.contextmanager
+    def host_memory(self):
+        """Tensors made here are host memory (a model loaded on the CPU, its reference output)."""
+        self.host_ctx += 1
+        try:
+            yield
+        finally:
+            self.host_ctx -= 1
+
+    # streams and order
+
+    def current(self) -> SimStream:
+        return self.stack[-1]
+
+    def wait(self, stream: SimStream, ev: SimEvent) -> None:
+        if ev.stream is None or ev.stream is stream:
+            return
+        for k, v in ev.clock.items():
+            stream.clock[k] = max(stream.clock.get(k, 0), v)
+        if stream.eager:
+            self.flush(ev.stream, ev.pos)
+        else:
+            stream.queue.append(("wait", ev.stream, ev.pos))
+
+    def flush(self, stream: SimStream, upto: int | None = None) -> None:
+        with _disable_current_modes():
+            while stream.queue:
+                item = stream.queue[0]
+                if item[0] == "op":
+                    if upto is not None and item[1] > upto:
+                        break
+                    stream.queue.pop(0)
+                    item[2]()
+                    stream.done = item[1]
+                else:
+                    stream.queue.pop(0)
+                    self.flush(item[1], item[2])
+        if not stream.queue:
+            stream.done = stream.pos
+
+    def synchronize(self, device=None) -> None:
+        self.host_syncs += 1
+        for s in list(self.streams):
+            self.flush(s)
+        for s in list(self.streams):
+            self.host_observes(s.clock)
+
+    def host_observes(self, clock: dict) -> None:
+        changed = False
+        for k, v in clock.items():
+            if v > self.host_clock.get(k, 0):
+                self.host_clock[k] = v
+                changed = True
+        if changed:  # accesses the host has seen finish can conflict with nothing issued later
+            for rec in self.recs.values():
+                rec.acc = {key: p for key, p in rec.acc.items() if p > self.host_clock.get(key[0], 0)}
+
+    def _ordered(self, stream: SimStream, sid: int, pos: int) -> bool:
+        return stream.clock.get(sid, 0) >= pos or self.host_clock.get(sid, 0) >= pos
+
+    # accesses
+
+    def access(self, stream: SimStream, pos: int, t: torch.Tensor, write: bool, what: str) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+            return
+        try:
+            rec = self.recs.get(t.untyped_storage().data_ptr())
+        except Exception:
+            return
+        if rec is None:
+            return
+        lo, hi = _extent(t)
+        if lo == hi:
+            return
+        # Host memory touched by an operator on the compute stream is a CPU access: ordered by
+        # what the host has waited for, and nothing a later stream must wait on.
+        cpu = rec.host and stream.eager
+        for (sid, w, a, b), p in rec.acc.items():
+            if sid == stream.id or not (w or write) or not (a < hi and lo < b):
+                continue
+            if not (self.host_clock.get(sid, 0) >= p if cpu else self._ordered(stream, sid, p)):
+                if write and not w:
+                    kind = "write over bytes another stream may still read"
+                elif write:
+                    kind = "write racing another stream's write"
+                else:
+                    kind = "read of a buffer before its write is ordered"
+                self.hazard(f"{kind}: {what} on {stream} reads/writes bytes {lo}:{hi} of "
+                            f"{'host' if rec.host else 'device'} buffer {rec.base:#x}, last used by stream {sid} at {p}")
+        if not cpu:
+            rec.acc[(stream.id, write, lo, hi)] = pos
+
+    def hazard(self, msg: str) -> None:
+        self.hazards.append(msg)
+
+    def _check_host_quiet(self, rec: _Rec, msg: str) -> None:
+        for (sid, _w, _a, _b), p in rec.acc.items():
+            if self.host_clock.get(sid, 0) < p and sid != self.compute.id:
+                self.hazard(f"{msg} (stream {sid} at {p})")
+                return
+
+    # storages
+
+    def track_new(self, t: torch.Tensor, stream: SimStream, host: bool | None = None) -> _Rec | None:
+        st = t.untyped_storage()
+        base, n = st.data_ptr(), st.nbytes()
+        if base == 0 or base in self.recs:
+            return self.recs.get(base)
+        host = bool(self.host_ctx) if host is None else host
+        block = None if host else self.alloc.alloc(n, stream.id)
+        rec = _Rec(base, n, host, stream.id, block)
+        self.recs[base] = rec
+        weakref.finalize(st, self._freed, rec)
+        return rec
+
+    def _freed(self, rec: _Rec) -> None:
+        rec.alive = False
+        self.recs.pop(rec.base, None)
+        if rec.host:
+            if rec.base in self.registered:
+                self.hazard(f"registration left on a freed host buffer {rec.base:#x}")
+                del self.registered[rec.base]
+            if not rec.torch_pinned:
+                self._check_host_quiet(rec, "host buffer freed while a copy may read it")
+            return
+        # The caching allocator hands a freed block out again at once on its own stream; uses
+        # on other streams must be ordered before that reuse (or announced by record_stream).
+        prev = [(sid, p) for (sid, _w, _a, _b), p in rec.acc.items()
+                if sid != rec.stream_id and sid not in rec.recorded]
+        if rec.block is not None:
+            self.alloc.free(rec.block, prev)
+
+    def _reused(self, stream_id: int, block) -> None:
+        stream = next((s for s in self.streams if s.id == stream_id), None)
+        for sid, p in block.prev:
+            if stream is None or not self._ordered(stream, sid, p):
+                self.hazard(f"device memory freed and reused on stream {stream_id} while stream {sid} "
+                            f"may still use it (at {p})")
+                return
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        rec = self.recs.get(t.untyped_storage().data_ptr())
+        return rec is not None and not rec.host
+
+    def device_op(self, tensors: list) -> bool:
+        if not tensors:
+            return not self.host_ctx
+        return any(self.recs.get(t.untyped_storage().data_ptr()) is not None
+                   and not self.recs[t.untyped_storage().data_ptr()].host for t in tensors)
+
+    def raise_pending(self) -> None:
+        err, self.pending_error = self.pending_error, None
+        raise PendingCudaError(f"CUDA error: out of memory (error {err} left pending by an earlier runtime call)")
+
+
+class _SimMode(TorchDispatchMode):
+    def __init__(self, sim: SimCuda) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sim = self.sim
+        sim.ops += 1
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided]
+        if func.is_view or func in _METADATA_OPS:
+            return func(*args, **kwargs)
+        if sim.pending_error is not None and sim.device_op(tensors):
+            sim.raise_pending()
+        stream = sim.current()
+        if sim.host_ctx and stream.eager:   # CPU work on host tensors (a model loaded on the CPU)
+            written = _written(func, args, kwargs)
+            for t in tensors:
+                rec = sim.recs.get(t.untyped_storage().data_ptr())
+                if rec is not None and rec.host:
+                    sim.access(stream, 0, t, write=any(t is w for w in written), what=f"host {func}")
+            out = func(*args, **kwargs)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
+                    sim.track_new(t, stream)
+            return out
+        deferred = not stream.eager and func in (aten.copy_.default, aten._to_copy.default)
+        if deferred:
+            return self._deferred(func, args, kwargs, stream)
+        pos = stream.issue()
+        written = _written(func, args, kwargs)
+        for t in tensors:
+            sim.access(stream, pos, t, write=any(t is w for w in written), what=str(func))
+        in_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
+                if t.untyped_storage().data_ptr() not in in_ptrs:
+                    rec = sim.track_new(t, stream)
+                    if rec is not None:
+                        if not rec.host and func in (aten.empty.memory_format, aten.empty_strided.default):
+                            _fill_fresh(t)
+                        sim.access(stream, pos, t, write=True, what=str(func))
+        return out
+
+    def _deferred(self, func, args, kwargs, stream: SimStream):
+        sim = self.sim
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            out = dst
+        else:
+            src = args[0]
+            dtype = kwargs.get("dtype") or src.dtype
+            out = torch.empty(src.shape, dtype=dtype)
+            _fill_fresh(out)
+            sim.track_new(out, stream, host=False)
+            dst = out
+        pos = stream.issue()
+        sim.access(stream, pos, src, write=False, what=f"deferred {func}")
+        sim.access(stream, pos, dst, write=True, what=f"deferred {func}")
+        keep = src if (r := sim.recs.get(src.untyped_storage().data_ptr())) is not None and r.torch_pinned else None
+        # torch's host allocator keeps a page-locked source until the copy has run
+        stream.queue.append(("op", pos, lambda d=_WeakView(dst), s=_WeakView(src), k=keep: _deferred_copy(d, s)))
+        return out
+
+
+class _WeakView:
+    """A tensor's geometry and a weak reference to its storage: a queued copy must not keep
+    memory alive that the program has freed (a GPU does not either)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.st = weakref.ref(t.untyped_storage())
+        self.geom = (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def get(self) -> torch.Tensor | None:
+        st = self.st()
+        if st is None:
+            return None
+        off, shape, stride, dtype = self.geom
+        return torch.empty(0, dtype=dtype).set_(st, off, shape, stride)
+
+
+def _deferred_copy(dst: _WeakView, src: _WeakView) -> None:
+    d, s = dst.get(), src.get()
+    if d is not None and s is not None:  # a freed end was reported as a hazard when it was freed
+        d.copy_(s)
+
+
+def _fill_fresh(t: torch.Tensor) -> None:
+    st = t.untyped_storage()
+    if st.nbytes():
+        torch.empty(0, dtype=torch.uint8).set_(st).fill_(NAN_FILL)
+
+
+_METADATA_OPS = {aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
+                 aten._has_compatible_shallow_copy_type.default, aten.is_same_size.default,
+                 aten.is_pinned.default}
+
+
+def _written(func, args, kwargs) -> list:
+    out = []
+    schema = func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
+
+
+# -- installing it ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def simulated_cuda(monkeypatch):
+    """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator."""
+    from vramcut_core import executor as ex
+
+    sim = SimCuda()
+    cpu = torch.device("cpu")
+    orig_host_buffer = ex._host_buffer
+
+    def host_buffer(nbytes):
+        sim.host_ctx += 1
+        try:
+            t = orig_host_buffer(nbytes)
+            sim.track_new(t, sim.current(), host=True)
+            return t
+        finally:
+            sim.host_ctx -= 1
+
+    def record_stream(self, stream):
+        rec = sim.recs.get(self.untyped_storage().data_ptr())
+        if rec is not None:
+            rec.recorded.add(stream.id)
+
+    def is_pinned(self, *a, **k):
+        return self.untyped_storage().data_ptr() in sim.registered or bool(
+            (r := sim.recs.get(self.untyped_storage().data_ptr())) is not None and r.torch_pinned)
+
+    def pin_memory(self, *a, **k):
+        if sim.pin_memory_fails:
+            raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+        sim.host_ctx += 1
+        try:
+            with _disable_current_modes():
+                t = self.clone()
+            rec = sim.track_new(t, sim.current(), host=True)
+            rec.torch_pinned = True
+            return t
+        finally:
+            sim.host_ctx -= 1
+
+    cuda = torch.cuda
+    monkeypatch.setattr(ex, "_placement", lambda device: cpu)
+    monkeypatch.setattr(ex, "_host_buffer", host_buffer)
+    monkeypatch.setattr(cuda, "Stream", SimStream)
+    monkeypatch.setattr(cuda, "Event", SimEvent)
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current())
+    monkeypatch.setattr(cuda, "default_stream", lambda device=None: sim.compute)
+    monkeypatch.setattr(cuda, "stream", lambda s: s if s is not None else contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "synchronize", sim.synchronize)
+    monkeypatch.setattr(cuda, "cudart", lambda: _CudaRT(sim))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: sim.alloc.allocated)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: sim.alloc.reserved)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: sim.alloc.max_allocated)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: sim.alloc.max_reserved)
+    def reset_peak(device=None):
+        sim.peak_resets += 1
+        sim.alloc.reset_peak()
+
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset_peak)
+    monkeypatch.setattr(cuda, "empty_cache", sim.alloc.empty_cache)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    mode = _SimMode(sim)
+    with mode:
+        try:
+            yield sim
+        finally:
+            sim.synchronize()
+    SimCuda.active = None
