@@ -245,3 +245,60 @@ def test_llm_encoder_vision_tower_parity(pack, name):
     probe = check_streamed(core, m, encode_image, img)
     entered = set(probe.measurements[probe.last_signature])
     assert any(n.startswith(vision_tower(m) + ".") for n in entered), entered
+
+
+# ---------------------------------------------------------------------------------------------
+# through the host's loader and the Max VRAM node's CLIP patch
+
+
+def _qwen_image_clip():
+    """Qwen-Image's encoder (Qwen2.5-VL) as ``CLIPLoader`` builds it: weights of a small
+    ``Qwen25_7BVLI`` handed to ``comfy.sd.load_text_encoder_state_dicts`` (type ``qwen_image``)
+    with the small configuration in ``model_options``. Four key/value heads of the host's
+    head size make the 512-wide ``k_proj`` bias by which the loader recognises Qwen2.5-7B; the
+    vocabulary stays the real one (the tokenizer's ids reach 151k)."""
+    import comfy.sd
+    cls = CLASSES["llama.Qwen25_7BVLI"]
+    cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=4)
+    with small_class_sizes(config_class(cls)):  # the vision tower: small, when built and when loaded
+        torch.manual_seed(0)
+        m = tfe.seeded(cls(dict(cfg), torch.float32, "cpu", OPS))
+        sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        assert sd["model.layers.0.self_attn.k_proj.bias"].shape[0] == 512
+        clip = comfy.sd.load_text_encoder_state_dicts([sd], clip_type=comfy.sd.CLIPType.QWEN_IMAGE,
+                                                      model_options={"qwen25_7b_model_config": dict(cfg)})
+    tr = clip.cond_stage_model.qwen25_7b.transformer
+    assert type(tr) is cls and len(tr.model.layers) == 3
+    for k, v in tr.state_dict().items():  # the loader took every weight
+        assert torch.equal(v, sd[k]), k
+    return clip
+
+
+@pytest.mark.skipif("llama.Qwen25_7BVLI" not in CLASSES or not hasattr(__import__("comfy.sd").sd.CLIPType, "QWEN_IMAGE"),
+                    reason="the host has no Qwen-Image text encoder")
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "edit_image"])
+def test_qwen_image_encoder_through_loader_and_node(comfy, max_vram, with_image):
+    import test_clip_vae_path as cvp
+    clip = _qwen_image_clip()
+    with torch.inference_mode():
+        if with_image:  # what TextEncodeQwenImageEdit tokenizes: the prompt with the picture
+            img = torch.rand(1, 56, 56, 3, generator=torch.Generator().manual_seed(3))
+            tokens = clip.tokenize("make the cat blue", images=[img])
+        else:
+            tokens = clip.tokenize("a photo of a cat sitting on a red chair")
+        ref, ref_pooled = clip.encode_from_tokens(tokens, return_pooled=True)
+        (_, probe, _), probe_payload = max_vram(1.0, clip=clip)
+        probe.encode_from_tokens(tokens, return_pooled=True)
+        plan = cvp.entry(probe_payload, "CLIP")["plan"]
+        (_, patched, _), payload = max_vram(cvp.tight_budget_gb(plan), clip=clip)
+        cond, pooled = patched.encode_from_tokens(tokens, return_pooled=True)
+    assert torch.equal(cond, ref)
+    assert (pooled is None and ref_pooled is None) or torch.equal(pooled, ref_pooled)
+    e = cvp.entry(payload, "CLIP")
+    assert e["stage"] == "measured" and e["plan"]["streamed_bytes_per_forward"] > 0
+    assert e["plan"]["peak_bytes"] <= e["plan"]["budget_bytes"]
+    names = [u["name"] for u in e["plan"]["units"]]
+    assert any(".model.layers." in n for n in names)
+    if with_image:  # the picture went through the vision tower's blocks, cut
+        assert any(".visual.blocks." in n for n in names)

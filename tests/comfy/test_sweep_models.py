@@ -229,7 +229,7 @@ def _omnigen2_inputs(m):
 
 
 def _ltxv_inputs(m):
-    return _xtc(m.in_channels, 2, 4, 4, ctx=32) + (None,), dict(transformer_options={})
+    return _xtc(m.patchify_proj.in_features, 2, 4, 4, ctx=32) + (None,), dict(transformer_options={})
 
 
 def _ltxav_inputs(m):
@@ -475,7 +475,7 @@ def coverage_rows(core) -> list[tuple[str, ...]]:
         us = core.find_units(m)
         how = f"registry: {us.label}" if us.family != "generic" else "generic fallback (warns on the node)"
         blocks = [u.name for u in us.units if u.kind == "block"]
-        lists = sorted({b.rsplit(".", 1)[0] for b in blocks}, key=lambda q: blocks.index(next(b for b in blocks if b.startswith(q + "."))))
+        lists = dict.fromkeys(b.rsplit(".", 1)[0] if b.rsplit(".", 1)[-1].isdigit() else b for b in blocks)
         units = f"{len(us.units)} ({len(blocks)} blocks in {', '.join(f'`{q}`' for q in lists)})"
         try:
             r = streamed_run(core, e)
