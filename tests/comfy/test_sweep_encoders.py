@@ -302,3 +302,35 @@ def test_qwen_image_encoder_through_loader_and_node(comfy, max_vram, with_image)
     assert any(".model.layers." in n for n in names)
     if with_image:  # the picture went through the vision tower's blocks, cut
         assert any(".visual.blocks." in n for n in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# the coverage table (``python tests/comfy/test_sweep_encoders.py``)
+
+
+def main() -> None:
+    import vramcut_core as core
+    host = os.path.basename(os.path.dirname(tm.comfyui_path())) or tm.comfyui_path()
+    print(f"#### LLM text encoders, host {host}\n")
+    print("| class | cut by | units (small build) | parity |\n|---|---|---|---|")
+    for name, cls in CLASSES.items():
+        if name in NOT_BUILT:
+            print(f"| {name} | not swept | | {NOT_BUILT[name]} |")
+            continue
+        m = built(name)
+        us = core.find_units(m)
+        lists = dict.fromkeys(u.name.rsplit(".", 1)[0] for u in us.units if u.kind == "block")
+        units = f"{len(us.units)} ({sum(u.kind == 'block' for u in us.units)} blocks in " \
+                f"{', '.join(f'`{q}`' for q in lists)})"
+        try:
+            tokens = torch.randint(2, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+            check_streamed(core, m, m, tokens)
+            parity = "bit-identical, streamed"
+        except AssertionError:
+            parity = "DIFFERS"
+        how = f"registry: {us.label}" if us.family != "generic" else "generic fallback"
+        print(f"| {name} | {how} | {units} | {parity} |")
+
+
+if __name__ == "__main__":
+    main()

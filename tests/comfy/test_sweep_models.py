@@ -61,6 +61,11 @@ class _Caught(Exception):
     pass
 
 
+# Sizes the loader would have detected from the weights, which some registered classes read in
+# ``__init__``/``get_model`` before they build anything (Flux.2's memory factor, SD2's channels).
+_PROBE_CONFIG = dict(in_channels=4, hidden_size=64, model_channels=64, context_dim=64)
+
+
 def diffusion_class(model_cls) -> type | None:
     """The diffusion module class ``model_cls.get_model`` builds, or None where its
     ``get_model`` needs weights to decide (it reads the state dict before building)."""
@@ -75,7 +80,7 @@ def diffusion_class(model_cls) -> type | None:
 
     comfy.model_base.BaseModel.__init__ = catch
     try:
-        model_cls(dict(model_cls.unet_config)).get_model({}, device="meta")
+        model_cls(dict(_PROBE_CONFIG, **model_cls.unet_config)).get_model({}, device="meta")
     except _Caught:
         return caught["cls"]
     except Exception:
@@ -325,7 +330,7 @@ RECIPES = [
            dict(max_img_h=16, max_img_w=16, max_frames=4, in_channels=16, out_channels=16, patch_spatial=2,
                 patch_temporal=1, model_channels=64, num_blocks=2, num_heads=2, crossattn_emb_channels=32,
                 pos_emb_cls="rope3d"),
-           _cosmos2_inputs, "cosmos", (), "Cosmos Predict2 / Anima"),
+           _cosmos2_inputs, "cosmos", (), "Cosmos Predict2"),
 ]
 RECIPE_BY_CLASS = {r.cls: r for r in RECIPES}
 
