@@ -157,23 +157,9 @@ FLUX_KW = dict(in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, 
                theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
 
 
-# Fields newer hosts added to the parameter dataclasses (required there, absent on older hosts).
-NEWER_HOST_PARAMS = dict(txt_ids_dims=[], use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False,
-                         vec_in_dim=16)
-
-
-def host_params(cls, **kw) -> dict:
-    """``kw`` plus the newer fields that ``cls``'s module's ``*Params`` dataclass has."""
-    import sys
-    mod = sys.modules[cls.__module__]
-    fields = {f.name for k, v in vars(mod).items() if k.endswith("Params") and dataclasses.is_dataclass(v)
-              for f in dataclasses.fields(v)}
-    return dict({k: v for k, v in NEWER_HOST_PARAMS.items() if k in fields and k not in kw}, **kw)
-
-
 def _flux():
     from comfy.ldm.flux.model import Flux
-    return Flux(**host_params(Flux, **FLUX_KW), **F32)
+    return Flux(**FLUX_KW, **F32)
 
 
 def _flux_inputs(m):
@@ -190,17 +176,16 @@ def _flux_manual_cast():
     from comfy.ldm.flux.model import Flux
     # the operations ComfyUI uses when the weight dtype is not the compute dtype (weights are
     # cast per call through comfy.ops.cast_bias_weight)
-    return Flux(**host_params(Flux, **FLUX_KW), dtype=torch.float32, device="cpu", operations=comfy.ops.manual_cast)
+    return Flux(**FLUX_KW, dtype=torch.float32, device="cpu", operations=comfy.ops.manual_cast)
 
 
 def _chroma():
     from comfy.ldm.chroma.model import Chroma
     # img_in takes the patchified channels (x channels * 2 * 2); the approximator's input is
     # fixed by the forward (16 + 16 + 32 = 64) and its output is one modulation vector.
-    return Chroma(**host_params(Chroma, in_channels=16, out_channels=16, context_in_dim=32, hidden_size=64,
-                                mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[8, 12, 12],
-                                theta=10000, patch_size=2, qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32,
-                                n_layers=2), **F32)
+    return Chroma(in_channels=16, out_channels=16, context_in_dim=32, hidden_size=64, mlp_ratio=2.0,
+                  num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[8, 12, 12], theta=10000,
+                  patch_size=2, qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32, n_layers=2, **F32)
 
 
 def _chroma_inputs(m):
@@ -211,10 +196,10 @@ def _chroma_inputs(m):
 
 def _hunyuan_video():
     from comfy.ldm.hunyuan_video.model import HunyuanVideo
-    return HunyuanVideo(**host_params(HunyuanVideo, in_channels=4, out_channels=4, vec_in_dim=16,
-                                      context_in_dim=32, hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=2,
-                                      depth_single_blocks=4, axes_dim=[8, 12, 12], theta=256, patch_size=[1, 2, 2],
-                                      qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False), **F32)
+    return HunyuanVideo(in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, hidden_size=64,
+                        mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[8, 12, 12],
+                        theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False,
+                        meanflow=False, **F32)
 
 
 def _hunyuan_video_inputs(m):
