@@ -1,24 +1,39 @@
 """What VRAMCut needs from ComfyUI, in one place: the patcher subclass that keeps every weight
-off the GPU, the shared per-patch state, budgets, and the live plan events.
+off the GPU, the shared per-patch state, budgets, weight patches merged on the device, and the
+live plan events.
+
+The one rule: a patched model shares its module and its host weights with the model it was made
+from (one host copy, never a reload from disk), and while it is loaded nothing of the host's own
+offloading (low-VRAM casts of streamed weights, dynamic VRAM's virtual weights and prefetch)
+touches those weights; when it is unloaded the module is handed back as the host left it.
 
 Extension points used exist in ComfyUI 0.3.6x and in the newer releases (detected by presence):
 ``ModelPatcher`` subclassing (``clone()`` keeps the class), ``attachments`` (copied to clones),
-``add_wrapper_with_key`` / ``add_callback_with_key``, ``CallbacksMP.ON_CLEANUP`` / ``ON_DETACH``.
+``add_wrapper_with_key`` / ``add_callback_with_key``, ``CallbacksMP.ON_CLEANUP`` / ``ON_DETACH``;
+on newer hosts ``is_dynamic()``, ``get_free_memory()`` and ``lora_compute_dtype()``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
+import inspect
 import logging
 import math
 import weakref
 
 import torch
 
+import comfy.float
+import comfy.lora
 import comfy.model_management as mm
 import comfy.model_patcher
+import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
 from ..vramcut_core import BudgetError, Engine, EngineConfig
+from ..vramcut_core import bandwidth
+from ..vramcut_core.report import cost_to_json
 from ..vramcut_core.tensors import GIB, fmt_bytes
 
 log = logging.getLogger("vramcut")
@@ -60,13 +75,14 @@ class Settings:
     def enabled(self) -> bool:
         return self.budget_mode != "fixed" or self.max_vram_gb > 0
 
-    def budget_bytes(self, device: torch.device) -> int:
-        """The budget in bytes on ``device``: fixed, or the device's free memory less the reserve
-        (resolved when a model first runs, after ComfyUI has made room for it)."""
+    def budget_bytes(self, device: torch.device, free_memory=None) -> int:
+        """The budget in bytes on ``device``: fixed, or the device's free memory less the reserve.
+        ``free_memory(device)`` is what the host could give (its own patcher's answer, which on
+        dynamic-VRAM hosts includes what it would evict); the device's free memory otherwise."""
         if self.budget_mode == "fixed":
             b = int(self.max_vram_gb * GIB)
         else:
-            free = int(mm.get_free_memory(device))
+            free = int((free_memory or mm.get_free_memory)(device))
             b = free - int(self.reserve_gb * GIB)
             if self.max_vram_gb > 0:
                 b = min(b, int(self.max_vram_gb * GIB))
@@ -89,6 +105,8 @@ class NodeReport:
 
     def set(self, kind: str, engine: Engine, plan=None) -> None:
         d = engine.describe(plan)
+        # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
+        d["plan"]["cost"] = cost_to_json(d["plan"], bandwidth.host_to_device(engine.config.device))
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
                  "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"]}
         if kind in self._index:
@@ -99,8 +117,13 @@ class NodeReport:
         self.payload["budget_bytes"] = engine.config.budget_bytes
         self.send()
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, error: Exception | None = None) -> None:
         self.payload["message"], self.payload["message_level"] = message, "error"
+        # the budget that would work, when the error knows it (the node offers it as the fix)
+        for key, attr in (("min_budget_bytes", "min_budget_bytes"), ("need_bytes", "need_bytes")):
+            v = getattr(error, attr, None)
+            if isinstance(v, int) and v > 0:
+                self.payload[key] = v
         self.send()
 
     def notice(self, message: str) -> None:
@@ -129,6 +152,8 @@ class PatchState:
     def __init__(self, kind: str, settings: Settings, report: NodeReport, pinned: tuple[str, ...] = ()) -> None:
         self.kind, self.settings, self.report, self.pinned = kind, settings, report, pinned
         self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
+        self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
+        self.free_memory = None  # the host's answer to "how much could you free", where it has one
 
     def on_model_patcher_clone(self):
         return self
@@ -139,10 +164,11 @@ class PatchState:
         dev = torch.device(device)
         eng = self._engines.get(module)
         if eng is None or eng.executor.device != dev:
-            cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev), device=str(dev),
+            cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
                                pinned=self.pinned)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
+            eng.executor.alloc_context = host_allocation_pause()
             for w in eng.unitset.warnings:
                 log.warning("VRAMCut %s: %s", self.kind, w)
             self._engines[module] = eng
@@ -161,6 +187,15 @@ class PatchState:
                 e.keep_buffers(False)
                 e.release()
 
+    def outside(self, path: str) -> None:
+        """Say on the node (and once in the log) that a call path runs outside the budget."""
+        msg = (f"{self.kind}: {path} runs outside VRAMCut's budget: ComfyUI streams this model's "
+               "weights layer by layer itself (results are the same; memory and speed are ComfyUI's)")
+        if self.report.payload.get("message") != msg:
+            log.warning("VRAMCut: %s", msg)
+        self.report.notice(msg)
+        self.report.send()
+
     def finish(self, *_args, **_kw) -> None:
         """End of a run (ComfyUI's cleanup after sampling): release, and show on the node what
         the run did (forwards, bytes streamed, measured peak)."""
@@ -170,16 +205,116 @@ class PatchState:
                 self.report.set(self.kind, e, e.last_plan)
                 e.reset_stats()  # the next run reports its own
 
-    def run(self, engine: Engine, fn, *args, sig=None, **kwargs):
-        """Run through the engine; a budget that cannot hold this call becomes an OOM error,
-        so that the host's own fallbacks apply."""
+    def run(self, engine: Engine, fn, *args, sig=None, patcher=None, **kwargs):
+        """Run through the engine, merging ``patcher``'s weight patches into each unit's device
+        copy as it arrives; a budget that cannot hold this call becomes an OOM error, so that
+        the host's own fallbacks apply."""
+        merge = DeviceMerge.for_call(patcher, engine.module)
+        key = merge.key if merge is not None else None
+        if self._patches.get(engine, key) != key and not engine.executor.running:
+            engine.release()  # held device copies were merged with other patches
+        self._patches[engine] = key
+        engine.executor.on_loaded = merge
         try:
-            if sig is None:
-                return engine.run(fn, *args, **kwargs)
-            return engine.run_as(sig, fn, *args, **kwargs)
+            with merge.host_patches_off() if merge is not None else contextlib.nullcontext():
+                if sig is None:
+                    return engine.run(fn, *args, **kwargs)
+                return engine.run_as(sig, fn, *args, **kwargs)
         except BudgetError as e:
-            self.report.fail(str(e))
+            self.report.fail(str(e), e)
             raise VRAMCutOOM(f"VRAMCut: {e}") from e
+        finally:
+            engine.executor.on_loaded = None
+
+
+def _string_to_seed(key: str) -> int:
+    f = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
+    return f(key)
+
+
+def mergeable_patch_keys(patcher) -> frozenset[str]:
+    """Weight-patch keys (LoRA and the like) whose weight is a plain tensor with no host
+    conversion: VRAMCut merges those into the device copy of the unit. The rest (quantized
+    weights, weights with set/convert functions) keep the host's own per-forward patching."""
+    keys = []
+    for key in getattr(patcher, "patches", {}):
+        try:
+            weight, set_func, convert_func = comfy.model_patcher.get_key_weight(patcher.model, key)
+        except Exception:  # a key the model does not have: the host ignores it too
+            continue
+        if set_func is None and convert_func is None and type(weight) in (torch.Tensor, torch.nn.Parameter):
+            keys.append(key)
+    return frozenset(keys)
+
+
+class DeviceMerge:
+    """The executor's ``on_loaded`` hook for one call: merges a patcher's weight patches into a
+    unit's device copy, exactly as the host merges them when it loads a model fully on that
+    device (same function where the host exposes it, same compute precision and rounding), so
+    the host keeps one unpatched copy of each weight and nothing is merged on the CPU."""
+
+    _prefixes: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+    _host_returns: dict[type, bool] = {}  # patcher class -> patch_weight_to_device(return_weight=...)
+
+    def __init__(self, patcher, prefix: str, keys: frozenset[str]) -> None:
+        self.patcher, self.prefix, self.keys = patcher, prefix, keys
+        self.key = (id(patcher.patches), getattr(patcher, "patches_uuid", None), keys)
+        cls = type(patcher)
+        if cls not in self._host_returns:
+            self._host_returns[cls] = "return_weight" in inspect.signature(cls.patch_weight_to_device).parameters
+        self.host_merges = self._host_returns[cls]
+
+    @contextlib.contextmanager
+    def host_patches_off(self):
+        """For the duration of a VRAMCut forward, the host's per-forward LoRA functions of the
+        merged weights are out of the way (put back after, if the host did not replace them)."""
+        fns = getattr(self.patcher, "_vramcut_host_fns", ())
+        for m, attr, _full, kept in fns:
+            setattr(m, attr, kept)
+        try:
+            yield
+        finally:
+            for m, attr, full, kept in fns:
+                if getattr(m, attr, None) is kept:
+                    setattr(m, attr, full)
+
+    @classmethod
+    def for_call(cls, patcher, module: torch.nn.Module) -> "DeviceMerge | None":
+        keys = getattr(patcher, "_vramcut_merge_keys", None)
+        if not keys:
+            return None
+        prefix = cls._prefixes.get(module)
+        if prefix is None:
+            prefix = next((n for n, m in patcher.model.named_modules() if m is module), "")
+            cls._prefixes[module] = prefix = prefix + "." if prefix else ""
+        return cls(patcher, prefix, keys)
+
+    def __call__(self, unit) -> None:
+        for ut in unit.tensors:
+            key = next((k for k in (self.prefix + r.qualname for r in ut.refs) if k in self.keys), None)
+            if key is not None:
+                ut.tensor.data.copy_(self.merged(key, ut.tensor.data))
+
+    def merged(self, key: str, weight: torch.Tensor) -> torch.Tensor:
+        p = self.patcher
+        if self.host_merges:
+            # the host's own merge; it reads the weight the unit's tensor points at (the device copy)
+            return p.patch_weight_to_device(key, device_to=weight.device, return_weight=True)
+        # hosts without return_weight (0.3.x): the same steps patch_weight_to_device takes there
+        temp_dtype = mm.lora_compute_dtype(weight.device) if hasattr(mm, "lora_compute_dtype") else torch.float32
+        temp = mm.cast_to_device(weight, weight.device, temp_dtype, copy=True)
+        out = comfy.lora.calculate_weight(p.patches[key], temp, key)
+        return comfy.float.stochastic_rounding(out, weight.dtype, seed=_string_to_seed(key))
+
+
+def host_allocation_pause():
+    """The host's context that keeps allocations out of its recorded allocation graphs (newer
+    ComfyUI: ``comfy.model_prefetch.pause_malloc_graph``), or a no-op on hosts without them."""
+    try:
+        prefetch = importlib.import_module("comfy.model_prefetch")
+    except ImportError:
+        return contextlib.nullcontext
+    return getattr(prefetch, "pause_malloc_graph", None) or contextlib.nullcontext
 
 
 def state_of(patcher) -> PatchState | None:
@@ -193,13 +328,58 @@ def _any_weight_on(module: torch.nn.Module, device) -> bool:
     return any(p.device == dev for p in module.parameters()) if dev.type != "cpu" else False
 
 
+# What the dynamic-VRAM host (comfy-aimdo) hangs on a module it manages: its virtual weight
+# range and signature, a block's range, a pending prefetch, a captured CUDA graph. While a
+# VRAMCut patcher is loaded they are put aside, so the host's casts and prefetch queue see an
+# ordinary low-VRAM module and never fault, prefetch or evict the weights VRAMCut streams.
+DYNAMIC_MODULE_ATTRS = ("_v", "_v_signature", "_v_block", "_v_block_faulted", "_prefetch", "_comfy_graph")
+_STASH = "_vramcut_dynamic_stash"
+
+
+def _take_from_dynamic(model: torch.nn.Module) -> None:
+    if _STASH in model.__dict__:
+        return
+    stash = {}
+    for m in model.modules():
+        attrs = {a: m.__dict__.pop(a) for a in DYNAMIC_MODULE_ATTRS if a in m.__dict__}
+        if attrs:
+            stash[m] = attrs
+    model.__dict__[_STASH] = stash
+
+
+def _give_back_to_dynamic(model: torch.nn.Module) -> None:
+    stash = model.__dict__.pop(_STASH, None)
+    for m, attrs in (stash or {}).items():
+        for a, v in attrs.items():
+            m.__dict__.setdefault(a, v)
+
+
+def _host_patch_functions(patcher, keys: frozenset[str]) -> tuple:
+    """For each module weight VRAMCut merges on the device: ``(module, attribute, the host's
+    per-forward functions, the same without its low-VRAM patch)``. Inside a VRAMCut forward the
+    second list is in place (the host would apply the same LoRA a second time); outside one the
+    host's own low-VRAM path runs the module with the first, LoRA included."""
+    out = []
+    if not keys:
+        return ()
+    for n, m in patcher.model.named_modules():
+        for param in ("weight", "bias"):
+            fns = getattr(m, f"{param}_function", None)
+            if fns and f"{n}.{param}" in keys:
+                kept = [f for f in fns if not isinstance(f, comfy.model_patcher.LowVramPatch)]
+                if len(kept) != len(fns):
+                    out.append((m, f"{param}_function", fns, kept))
+    return tuple(out)
+
+
 class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
     """A ModelPatcher that never puts weights on the GPU itself: every load is a low-VRAM load
-    with no weight budget, so the weights stay on the offload device for the executor to stream;
-    LoRA and other weight patches are merged into them on the host as a full load would. It tells
-    ComfyUI it needs the budget, not the full model size, so other models are not evicted for
-    nothing. It is a plain ``ModelPatcher`` (never the host's dynamic-VRAM patcher), so newer
-    ComfyUI does not offload this model on its own."""
+    with no weight budget, so the weights stay on the offload device for the executor to stream.
+    Weight patches (LoRA) are not merged on the host: the executor merges them into each unit's
+    device copy as it arrives, as a full load on that device would (one host copy of each
+    weight). It tells ComfyUI it needs the budget, not the full model size, so other models are
+    not evicted for nothing. It is a plain ``ModelPatcher`` (never the host's dynamic-VRAM
+    patcher), so newer ComfyUI does not offload this model on its own."""
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         st = state_of(self)
@@ -209,15 +389,32 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
             # another clone of this model left weights on the GPU: put them back first, or
             # ComfyUI would treat the model as loaded and keep them there
             self.unpatch_model(self.offload_device, unpatch_weights=True)
-        super().partially_load(device_to, extra_memory=1, force_patch_weights=force_patch_weights)
+        _take_from_dynamic(self.model)
+        super().partially_load(device_to, extra_memory=1, force_patch_weights=False)
         return 0
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
-        # One byte of weight budget: every module is set up for per-forward casting, none moved.
-        # Weight patches (LoRA) are merged into the host weights once, exactly as a full load
-        # merges them (same precision, same rounding), instead of being recomputed every forward.
-        return super().load(device_to, lowvram_model_memory=1, force_patch_weights=True,
-                            full_load=False, **kwargs)
+        # One byte of weight budget: every module is set up for per-forward casting, none moved,
+        # and no weight is patched on the host (no backup copy, no CPU merge).
+        _take_from_dynamic(self.model)
+        out = super().load(device_to, lowvram_model_memory=1, force_patch_weights=False,
+                           full_load=False, **kwargs)
+        self._vramcut_merge_keys = mergeable_patch_keys(self)
+        self._vramcut_host_fns = _host_patch_functions(self, self._vramcut_merge_keys)
+        return out
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        try:
+            return super().unpatch_model(device_to, unpatch_weights=unpatch_weights)
+        finally:
+            if unpatch_weights:
+                _give_back_to_dynamic(self.model)
+
+    def detach(self, unpatch_all=True):
+        try:
+            return super().detach(unpatch_all=unpatch_all)
+        finally:
+            _give_back_to_dynamic(self.model)  # the host loads another clone of this model next
 
     def model_size(self):
         real = super().model_size()
@@ -227,22 +424,41 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         return min(real, max(1, int(st.settings.max_vram_gb * GIB)))
 
 
+def is_dynamic(patcher) -> bool:
+    f = getattr(patcher, "is_dynamic", None)
+    return bool(callable(f) and f())
+
+
+def _static_class(cls: type) -> type:
+    """The nearest class in ``cls``'s MRO whose patchers are not dynamic-VRAM ones."""
+    plain = getattr(comfy.model_patcher.ModelPatcher, "is_dynamic", None)
+    for c in cls.__mro__:
+        if issubclass(c, comfy.model_patcher.ModelPatcher) and getattr(c, "is_dynamic", None) is plain:
+            return c
+    return comfy.model_patcher.ModelPatcher
+
+
 def to_vramcut_patcher(patcher, state: PatchState):
     """A clone of ``patcher`` as a VRAMCutModelPatcher carrying ``state``; the original is left
-    as it is. Models that the host manages with dynamic VRAM are reloaded without it."""
-    is_dynamic = getattr(patcher, "is_dynamic", None)
-    if callable(is_dynamic) and is_dynamic():
-        try:
-            clone = patcher.clone(disable_dynamic=True)
-        except Exception as e:
-            raise VRAMCutError(
-                "this model is managed by ComfyUI's dynamic VRAM and could not be reloaded without it "
-                f"({e}); start ComfyUI with --disable-dynamic-vram to use VRAMCut on it") from e
-    else:
-        clone = patcher.clone()
+    as it is. A model the host manages with dynamic VRAM is cloned as it always is (sharing the
+    module and its weights: no reload, no second host copy) and the clone becomes a plain
+    patcher, which the host's dynamic loading, eviction and prefetch leave alone."""
+    dynamic = is_dynamic(patcher)
+    clone = patcher.clone()
     if not isinstance(clone, comfy.model_patcher.ModelPatcher):
         raise VRAMCutError(f"cannot patch a {type(clone).__name__}")
-    clone.__class__ = _patcher_class(type(clone))
+    cls = type(clone)
+    if dynamic:
+        cls = _static_class(cls)
+        patchers = getattr(clone.model, "dynamic_patchers", None)
+        if isinstance(patchers, set):
+            patchers.discard(id(clone))  # the host counts its own patchers of this model
+    clone.__class__ = _patcher_class(cls)
+    if hasattr(patcher, "get_free_memory"):
+        # what the host could give on the device, evictions included: asked of the patcher the
+        # host made (on dynamic-VRAM hosts its answer counts what it would evict)
+        ref = weakref.ref(patcher)
+        state.free_memory = lambda device: (ref() or mm).get_free_memory(device)
     clone.attachments[KEY] = state
     for ctype, fn in ((CallbacksMP.ON_CLEANUP, state.finish), (CallbacksMP.ON_DETACH, state.release)):
         clone.remove_callbacks_with_key(ctype, KEY)

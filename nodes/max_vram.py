@@ -59,7 +59,7 @@ def _apply(unique_id, kw, pairs):
             out.append(fn(value, settings, report))
         except (BudgetError, VRAMCutError) as e:
             msg = f"{kind}: {e}"
-            report.fail(msg)
+            report.fail(msg, e)
             log.error("VRAMCut: %s", msg)
             raise VRAMCutError(msg) from e
     if all(v is None for _, v, _ in pairs):

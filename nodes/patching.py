@@ -37,7 +37,7 @@ class _ApplyModelWrapper:
         patcher = getattr(base_model, "current_patcher", None)
         device = getattr(patcher, "load_device", None) or _device_of_inputs(args, kwargs)
         engine = self.state.engine(module, device, keep_buffers=True)
-        return self.state.run(engine, executor, *args, **kwargs)
+        return self.state.run(engine, executor, *args, patcher=patcher, **kwargs)
 
 
 def _device_of_inputs(args, kwargs):
@@ -108,10 +108,12 @@ class VRAMCutCLIP(comfy.sd.CLIP):
             return
         state = self._vramcut
         engine = state.engine(self.cond_stage_model, self.patcher.load_device)
+        patcher = self.patcher
 
         def make(orig):
             def encode_token_weights(token_weight_pairs, *a, **kw):
-                return state.run(engine, orig, token_weight_pairs, *a, sig=_token_signature(token_weight_pairs), **kw)
+                return state.run(engine, orig, token_weight_pairs, *a, sig=_token_signature(token_weight_pairs),
+                                 patcher=patcher, **kw)
             return encode_token_weights
 
         self._vramcut_active = True
@@ -128,6 +130,11 @@ class VRAMCutCLIP(comfy.sd.CLIP):
     def encode_from_tokens_scheduled(self, tokens, *args, **kwargs):
         with self._segmented():
             return super().encode_from_tokens_scheduled(tokens, *args, **kwargs)
+
+    if hasattr(comfy.sd.CLIP, "generate"):  # newer hosts: text generation with LLM encoders
+        def generate(self, *args, **kwargs):
+            self._vramcut.outside("text generation (CLIP.generate)")
+            return super().generate(*args, **kwargs)
 
 
 def _input_embedding_units(cond_stage_model: torch.nn.Module) -> tuple[str, ...]:
@@ -167,6 +174,11 @@ def patch_clip(clip, settings: Settings, report: NodeReport):
 # VAE
 
 
+# The first-stage model's entry points the host calls: plain decode/encode, and on newer hosts
+# the tiled ones of VAEs that tile themselves (``handles_tiling``: ``_decode_tiled_owned``).
+_VAE_ENTRY_POINTS = ("decode", "encode", "decode_tiled", "encode_tiled")
+
+
 class VRAMCutVAE(comfy.sd.VAE):
     """A ComfyUI VAE whose encoder and decoder run segmented, activation-aware: a call whose
     activations the budget cannot hold raises an out-of-memory error, and ComfyUI's own fallback
@@ -176,17 +188,31 @@ class VRAMCutVAE(comfy.sd.VAE):
 
     @contextlib.contextmanager
     def _segmented(self):
+        if self.__dict__.get("_vramcut_active"):  # decode's tiled fallback calls decode_tiled_*
+            yield
+            return
         state = self._vramcut
         fsm = self.first_stage_model
         engine = state.engine(fsm, self.patcher.load_device)
+        patcher = self.patcher
 
         def make(orig):
             def call(*a, **kw):
-                return state.run(engine, orig, *a, **kw)
+                if engine.executor.running:  # an entry point calling another (decode_tiled -> decode)
+                    return orig(*a, **kw)
+                return state.run(engine, orig, *a, patcher=patcher, **kw)
             return call
 
-        with engine.session(), _wrapped(fsm, "decode", make), _wrapped(fsm, "encode", make):
-            yield
+        self._vramcut_active = True
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(engine.session())
+                for name in _VAE_ENTRY_POINTS:
+                    if callable(getattr(fsm, name, None)):
+                        stack.enter_context(_wrapped(fsm, name, make))
+                yield
+        finally:
+            self._vramcut_active = False
 
     def decode(self, *args, **kwargs):
         with self._segmented():
@@ -203,6 +229,11 @@ class VRAMCutVAE(comfy.sd.VAE):
     def encode_tiled(self, *args, **kwargs):
         with self._segmented():
             return super().encode_tiled(*args, **kwargs)
+
+    if hasattr(comfy.sd.VAE, "prepare_decode"):  # newer hosts: VAEs whose nodes call the model directly
+        def prepare_decode(self, *args, **kwargs):
+            self._vramcut.outside("a decode through the model's own entry point (VAE.prepare_decode)")
+            return super().prepare_decode(*args, **kwargs)
 
 
 def _copy_as(obj, cls):
@@ -272,7 +303,7 @@ def _upscale_class(cls):
             state = self._vramcut
             dev = self._vramcut_device if self._vramcut_device.type != "cpu" else self.patcher.load_device
             engine = state.engine(self.model, dev, keep_buffers=True)
-            return state.run(engine, super(new_cls, self).__call__, *args, **kwargs)
+            return state.run(engine, super(new_cls, self).__call__, *args, patcher=self.patcher, **kwargs)
 
         new_cls = type(f"VRAMCut{cls.__name__}", (cls,), {"to": to, "__call__": __call__, "_is_vramcut": True})
         _UPSCALE[cls] = new_cls
@@ -284,9 +315,11 @@ class _ClipVisionMixin:
         state = self._vramcut
         engine = state.engine(self.model, self.patcher.load_device)
 
+        patcher = self.patcher
+
         def make(orig):
             def forward(*a, **kw):
-                return state.run(engine, orig, *a, **kw)
+                return state.run(engine, orig, *a, patcher=patcher, **kw)
             return forward
 
         with engine.session(), _wrapped(self.model, "forward", make):

@@ -8,3 +8,22 @@ ROOT = os.path.dirname(HERE)
 for p in (ROOT, HERE, os.path.join(HERE, "core")):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+
+def pytest_report_header(config):
+    """Say which ComfyUI host the ComfyUI and browser tests run against."""
+    import re
+
+    import tiny_models as tm
+
+    path = tm.comfyui_path()
+    if path is None:
+        return "ComfyUI host: none found ($COMFYUI_PATH, ~/comfy/ComfyUI): the ComfyUI and browser tests skip"
+    version = "unknown version"
+    try:
+        with open(os.path.join(path, "comfyui_version.py")) as f:
+            m = re.search(r'__version__\s*=\s*"([^"]+)"', f.read())
+        version = m.group(1) if m else version
+    except OSError:
+        pass
+    return f"ComfyUI host: {version} at {path}"

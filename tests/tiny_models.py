@@ -85,12 +85,19 @@ def import_comfy() -> str:
         if os.path.join(path, "comfy") not in mpath:
             for name in [n for n in sys.modules if n == "comfy" or n.startswith("comfy.")]:
                 del sys.modules[name]
-    from comfy.cli_args import args
-    if "comfy.model_management" not in sys.modules:
-        args.cpu = True
-    elif not args.cpu:
-        args.cpu = True  # too late to change the chosen device; on a CPU-only host it is CPU anyway
-    import comfy.model_management  # noqa: F401  (fixes the device now, on CPU)
+    try:
+        from comfy.cli_args import args
+        if "comfy.model_management" not in sys.modules:
+            args.cpu = True
+        elif not args.cpu:
+            args.cpu = True  # too late to change the chosen device; on a CPU-only host it is CPU anyway
+        import comfy.model_management  # noqa: F401  (fixes the device now, on CPU)
+        import comfy.sd  # noqa: F401  (pulls in the rest of what the tests use: torchaudio on newer hosts)
+    except ModuleNotFoundError as e:
+        raise ComfyUINotFound(
+            f"ComfyUI at {path} cannot be imported here: its requirements are not installed in this "
+            f"environment ({e}). Install them with: python -m pip install -r {path}/requirements.txt "
+            "requests (newer hosts also need: python -m pip install --no-deps torchaudio)") from e
     return path
 
 
@@ -470,10 +477,28 @@ def tiny_esrgan_state_dict(seed: int = 0, num_filters: int = 8, num_blocks: int 
 def load_tiny_esrgan(seed: int = 0, scale: int = 2, return_state_dict: bool = False):
     """spandrel ``ImageModelDescriptor`` (what ComfyUI's ``UpscaleModelLoader`` returns), for
     ``comfy_extras.nodes_upscale_model.ImageUpscaleWithModel``; x``scale``."""
-    from spandrel import ModelLoader
     sd = tiny_esrgan_state_dict(seed, scale=scale)
-    desc = ModelLoader().load_from_state_dict(_copy_sd(sd)).eval()
+    desc = load_upscale_model_file(sd)
     return (desc, sd) if return_state_dict else desc
+
+
+def load_upscale_model_file(sd: StateDict):
+    """What ComfyUI's ``UpscaleModelLoader`` node returns for a file holding ``sd``: the node
+    itself runs on a temporary file, so the descriptor is exactly the host's (newer hosts attach
+    a ``patcher`` to it, older ones do not)."""
+    import_comfy()
+    import folder_paths
+    from safetensors.torch import save_file
+    from comfy_extras.nodes_upscale_model import UpscaleModelLoader
+
+    d = tempfile.mkdtemp(prefix="tiny_upscale_")
+    name = "tiny_esrgan.safetensors"
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, name))
+    folder_paths.add_model_folder_path("upscale_models", d)
+    loader = UpscaleModelLoader()
+    load = getattr(loader, "load_model", None) or loader.execute
+    out = load(name)
+    return out.result[0] if hasattr(out, "result") else out[0]
 
 
 TINY_CLIP_VISION_CONFIG = {

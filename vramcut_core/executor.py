@@ -108,6 +108,7 @@ class _DeviceCopy:
         self.unit: str | None = None
         self.views: dict[int, torch.Tensor] = {}     # tensor index -> device tensor
         self.ready: object | None = None             # CUDA event of the copy, or None
+        self.patched = False                         # on_loaded has run on this copy
 
 
 @dataclasses.dataclass
@@ -158,6 +159,15 @@ class SegmentedExecutor:
         self._swapped: dict[str, dict[int, torch.Tensor]] = {}  # unit -> index -> host tensor
         self._events: list[tuple[object, object]] = []          # CUDA (start, end) copy events
         self._waits: list[tuple[object, object]] = []
+        # Called with a unit once a fresh copy of its weights is on the device and its tensors
+        # point at it, before any of its modules runs (on CUDA: on the compute stream, after the
+        # copy's event): the host merges weight patches (LoRA) into the device copy there, so
+        # the host keeps one unpatched copy of every weight.
+        self.on_loaded: Callable[[Unit], None] | None = None
+        # Entered around every device allocation the executor makes during a forward (its
+        # buffers, and on_loaded's): a host that records the forward's allocations into a graph
+        # (newer ComfyUI's malloc graphs) pauses the recording there, since ours do not repeat.
+        self.alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     # -- public API -------------------------------------------------------------------------
 
@@ -270,7 +280,7 @@ class SegmentedExecutor:
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         ctx = self._meter.paused() if isinstance(self._meter, CPUMeter) else contextlib.nullcontext()
-        with ctx:
+        with ctx, self.alloc_context():
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._account(nbytes)
         return buf
@@ -331,6 +341,7 @@ class SegmentedExecutor:
         self._next = nxt
         for name, (_, dc) in self._resident.items():
             self._swap_in(name, dc)
+            self._loaded(name, dc)
         for s in self._slots:
             if s.copy.unit is not None:
                 self._swap_in(s.copy.unit, s.copy)
@@ -542,9 +553,20 @@ class SegmentedExecutor:
                     self._waits.append((a, self._cuda_mark()))
                 slot.copy.ready = None
             self._last_streamed = name
+            self._loaded(name, slot.copy)
         nxt = self._next.get(name)
         if nxt is not None and len(self._slots) >= 2 and self._slot_of(nxt) is None:
             self._load_into_slot(nxt, self._other_slot(self._last_streamed), sync=not self.cuda)
+
+    def _loaded(self, name: str, dc: _DeviceCopy) -> None:
+        """Run ``on_loaded`` once per device copy, when the copy is usable by compute."""
+        if self.on_loaded is None or dc.patched:
+            return
+        dc.patched = True
+        # not paused for the meter: what the hook allocates (a merge's temporaries) is device
+        # memory the unit's window really uses
+        with self.alloc_context():
+            self.on_loaded(self._unit(name))
 
     def _cuda_mark(self):
         """A timing event on the compute stream (None on CPU)."""

@@ -66,6 +66,49 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None) -> dict:
     return out
 
 
+def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
+    """What the plan costs, for the node's answer line: does it fit, how many blocks stream, and
+    the time streaming adds per forward (one sampling step runs one forward per batch).
+
+    ``plan_json`` is ``plan_to_json``'s output (its ``stats`` when a run measured them);
+    ``bandwidth`` is ``bandwidth.host_to_device``'s answer. The added time is *measured* when the
+    plan carries stats (the time compute waited on copies, per forward; on CPU the copies are
+    synchronous, so that is the copy time), else *estimated* as streamed bytes / bandwidth, else
+    None (no bandwidth known)."""
+    segs = plan_json.get("segments") or []
+    streamed = [s for s in segs if not s.get("resident") and not s.get("idle")]
+    stats = plan_json.get("stats") or {}
+    forwards = int(stats.get("forwards") or 0)
+    bps = (bandwidth or {}).get("bytes_per_s")
+    sbytes = int(plan_json.get("streamed_bytes_per_forward") or 0)
+    out = {
+        "fits": plan_json.get("peak_bytes", 0) <= plan_json.get("budget_bytes", 0),
+        "peak_is_lower_bound": plan_json.get("activation_reserve_bytes") is None,
+        "blocks": sum(len(s.get("units") or []) for s in segs),
+        "blocks_streamed": sum(len(s.get("units") or []) for s in streamed),
+        "streamed_bytes_per_forward": sbytes,
+        "bandwidth_bytes_per_s": bps,
+        "bandwidth_device": (bandwidth or {}).get("device"),
+        "bandwidth_source": (bandwidth or {}).get("source"),
+        "estimate_s_per_forward": (sbytes / bps) if bps else None,
+        "measured_forwards": forwards,
+        "measured_s_per_forward": None,
+        "measured_copy_s_per_forward": None,
+        "measured_compute_s_per_forward": None,
+    }
+    if forwards:
+        out["measured_s_per_forward"] = float(stats.get("time_wait_s", 0.0)) / forwards
+        out["measured_copy_s_per_forward"] = float(stats.get("time_copy_s", 0.0)) / forwards
+        out["measured_compute_s_per_forward"] = float(stats.get("time_compute_s", 0.0)) / forwards
+    if out["measured_s_per_forward"] is not None:
+        out["added_s_per_forward"], out["added_source"] = out["measured_s_per_forward"], "measured"
+    elif out["estimate_s_per_forward"] is not None:
+        out["added_s_per_forward"], out["added_source"] = out["estimate_s_per_forward"], "estimate"
+    else:
+        out["added_s_per_forward"], out["added_source"] = None, None
+    return out
+
+
 def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None) -> str:
     """A fixed-width table: one row per segment, then the totals."""
     rows = []

@@ -59,6 +59,28 @@ def rand(g: torch.Generator, *shape) -> torch.Tensor:
 MARGIN = 4 * 1024
 
 
+# Fields that newer hosts added to the model parameter dataclasses, with the values ComfyUI's own
+# model detection gives the classic checkpoints (Flux.1, Chroma, HunyuanVideo 1.0).
+CLASSIC_DEFAULTS = dict(txt_ids_dims=[], use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False,
+                        vec_in_dim=None)
+
+
+def host_kwargs(params_cls, **kw):
+    """Constructor arguments for a model whose ``__init__`` builds ``params_cls(**kwargs)``, as
+    this host's dataclass wants them: fields it does not have are dropped, required fields it
+    added are filled with the classic models' values. Fails loudly on a required field nobody
+    knows (so a new host release shows up here, not as a confusing TypeError)."""
+    fields = {f.name: f for f in dataclasses.fields(params_cls)}
+    out = {k: v for k, v in kw.items() if k in fields}
+    for name, f in fields.items():
+        if name in out or f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            continue
+        if name not in CLASSIC_DEFAULTS:
+            raise AssertionError(f"{params_cls.__name__} needs {name!r}: add its classic value to CLASSIC_DEFAULTS")
+        out[name] = CLASSIC_DEFAULTS[name]
+    return out
+
+
 def engine_budget(us, activation_bytes: int) -> int:
     """About 40% of the weights, raised to 2.5x the largest unit where that is more (two
     streaming slots and room to spare), plus the measured activation reserve and a margin."""
@@ -158,8 +180,8 @@ FLUX_KW = dict(in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, 
 
 
 def _flux():
-    from comfy.ldm.flux.model import Flux
-    return Flux(**FLUX_KW, **F32)
+    from comfy.ldm.flux.model import Flux, FluxParams
+    return Flux(**host_kwargs(FluxParams, **FLUX_KW), **F32)
 
 
 def _flux_inputs(m):
@@ -173,19 +195,20 @@ def _flux_blocks(m):
 
 
 def _flux_manual_cast():
-    from comfy.ldm.flux.model import Flux
+    from comfy.ldm.flux.model import Flux, FluxParams
     # the operations ComfyUI uses when the weight dtype is not the compute dtype (weights are
     # cast per call through comfy.ops.cast_bias_weight)
-    return Flux(**FLUX_KW, dtype=torch.float32, device="cpu", operations=comfy.ops.manual_cast)
+    return Flux(**host_kwargs(FluxParams, **FLUX_KW), dtype=torch.float32, device="cpu", operations=comfy.ops.manual_cast)
 
 
 def _chroma():
-    from comfy.ldm.chroma.model import Chroma
+    from comfy.ldm.chroma.model import Chroma, ChromaParams
     # img_in takes the patchified channels (x channels * 2 * 2); the approximator's input is
     # fixed by the forward (16 + 16 + 32 = 64) and its output is one modulation vector.
-    return Chroma(in_channels=16, out_channels=16, context_in_dim=32, hidden_size=64, mlp_ratio=2.0,
-                  num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[8, 12, 12], theta=10000,
-                  patch_size=2, qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32, n_layers=2, **F32)
+    return Chroma(**host_kwargs(
+        ChromaParams, in_channels=16, out_channels=16, context_in_dim=32, hidden_size=64, mlp_ratio=2.0,
+        num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[8, 12, 12], theta=10000,
+        patch_size=2, qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=32, n_layers=2), **F32)
 
 
 def _chroma_inputs(m):
@@ -195,11 +218,12 @@ def _chroma_inputs(m):
 
 
 def _hunyuan_video():
-    from comfy.ldm.hunyuan_video.model import HunyuanVideo
-    return HunyuanVideo(in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, hidden_size=64,
-                        mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[8, 12, 12],
-                        theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False,
-                        meanflow=False, **F32)
+    from comfy.ldm.hunyuan_video.model import HunyuanVideo, HunyuanVideoParams
+    return HunyuanVideo(**host_kwargs(
+        HunyuanVideoParams, in_channels=4, out_channels=4, vec_in_dim=16, context_in_dim=32, hidden_size=64,
+        mlp_ratio=2.0, num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[8, 12, 12],
+        theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False,
+        meanflow=False), **F32)
 
 
 def _hunyuan_video_inputs(m):

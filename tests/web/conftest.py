@@ -133,6 +133,11 @@ def comfyui_path() -> str:
     p = _comfyui_path()
     if p is None:
         pytest.skip("ComfyUI not found: set COMFYUI_PATH to a ComfyUI checkout (or put one at ~/comfy/ComfyUI)")
+    import tiny_models
+    try:
+        tiny_models.import_comfy()  # its requirements must be installed here, as the server needs them
+    except tiny_models.ComfyUINotFound as e:
+        pytest.skip(str(e))
     return p
 
 
@@ -157,7 +162,8 @@ def comfy_server(comfyui_path, tmp_path_factory):
         if "--database-url" in f.read():
             cmd += ["--database-url", "sqlite:///:memory:"]  # write nothing into the checkout
     log_path = os.path.join(base, "comfyui.log")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the measured host-to-device bandwidth is cached here, not in the user's home
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VRAMCUT_CACHE_DIR=os.path.join(base, "cache"))
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=comfyui_path, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

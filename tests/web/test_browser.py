@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import time
 
 import pytest
@@ -36,6 +37,10 @@ ARTIFACTS = os.environ.get("VRAMCUT_WEB_ARTIFACTS", os.path.join(HERE, "artifact
 NODE_TYPE = "VRAMCutMaxVRAM"
 RUNNABLE_EXAMPLE = "vramcut_plan_preview"
 WIDGETS = ["max_vram_gb", "budget_mode", "reserve_gb", "prefetch", "residency"]
+
+TINY_UNITS = 7               # the tiny SD3's units (blocks) as the planner cuts it
+WIDGETS_HEIGHT_MAX = 200     # the five inputs, the title and margins, in graph units
+MIN_PLAN_ROW = 24            # web/vramcut.js MIN_WIDGET_HEIGHT: the header row
 
 PROMPT_TIMEOUT_S = 120
 UI_TIMEOUT_S = 60
@@ -85,6 +90,13 @@ def test_prompt_returns_plan(comfy_server):
     assert any(s["resident"] for s in segs) and any(not s["resident"] for s in segs), model["text"]
     assert plan["peak_bytes"] <= plan["budget_bytes"]
     assert sum(len(s["units"]) for s in segs) == len(plan["units"])
+    # the answer line's figures: before a run the time is an estimate from this machine's bandwidth
+    cost = plan["cost"]
+    assert cost["fits"] is True and cost["blocks"] == len(plan["units"])
+    assert cost["blocks_streamed"] == sum(len(s["units"]) for s in segs if not s["resident"] and not s["idle"])
+    assert cost["bandwidth_device"] == "cpu" and cost["bandwidth_bytes_per_s"] > 0, cost
+    assert cost["added_source"] == "estimate" and cost["measured_s_per_forward"] is None, cost
+    assert cost["added_s_per_forward"] == pytest.approx(plan["streamed_bytes_per_forward"] / cost["bandwidth_bytes_per_s"])
 
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".json")))
@@ -104,6 +116,10 @@ def test_example_workflow_is_a_template(comfy_server, name):
     ids = {n["id"] for n in wf["nodes"]}
     for link in wf["links"]:
         assert link[1] in ids and link[3] in ids
+
+    # the template browser titles the example from the pack's locale, not by its file name
+    titles = comfy_server.get("/i18n")["en"]["templateWorkflows"]["template"][comfy_server.pack_folder]
+    assert titles[name] and titles[name] != name and "_" not in titles[name], titles
 
     listed = comfy_server.get("/workflow_templates")
     assert name in listed.get(comfy_server.pack_folder, []), listed
@@ -151,7 +167,9 @@ const node = app.graph.nodes.find((n) => n.type === "%(node)s");
 return {data: {...el.dataset}, width: el.clientWidth, height: el.clientHeight,
         size: node ? [node.size[0], node.size[1]] : null,
         min: node ? node.computeSize() : null,
-        stored: !!(node && node.properties && node.properties.vramcut_plan)};
+        stored: !!(node && node.properties && node.properties.vramcut_plan),
+        nodeHeight: node ? node.size[1] : null,
+        compactHeight: node ? node.vramcutView.contentHeight(el.clientWidth) : null};
 """ % {"node": NODE_TYPE}
 
 # Count canvas pixels close to the resident / streamed colours (the drawing itself, read back).
@@ -193,10 +211,29 @@ def _console_errors(browser) -> list[str]:
         return []
 
 
-def _open(browser, server):
+# The graph's node ids, to see when the frontend has finished restoring the last workflow.
+GRAPH_IDS_JS = "return app.graph ? app.graph.nodes.map((n) => String(n.id) + n.type).join(',') : null;"
+
+
+def _open(browser, server, fresh: bool = True):
+    """Load the frontend; ``fresh``: without the workflow an earlier test left (the frontend keeps
+    the last workflow in the browser's storage and restores it after it is ready)."""
+    if fresh:
+        browser.get(server.url + "/")
+        browser.execute_script("localStorage.clear(); sessionStorage.clear();")
     browser.get(server.url + "/")
     assert browser.execute_async_script(READY_JS, NODE_TYPE, 45000), \
         f"the ComfyUI frontend or the vramcut extension did not load; console: {_console_errors(browser)}"
+    # ready once the graph has stopped changing (the restored or default workflow is in)
+    last, since = None, time.monotonic()
+    deadline = since + 20
+    while time.monotonic() < deadline:
+        ids = browser.execute_script(GRAPH_IDS_JS)
+        if ids != last:
+            last, since = ids, time.monotonic()
+        elif time.monotonic() - since > 1.0:
+            break
+        time.sleep(0.1)
 
 
 def _plan_drawn(browser):
@@ -233,6 +270,25 @@ def _run_example(browser, server):
     return r["id"], _wait(browser, "the plan to be drawn", lambda: _plan_drawn(browser))
 
 
+ANSWER_RE = re.compile(
+    r"^(fits|over budget) · ≥?\d+\.\d+ / \d+\.\d+ GiB \(\d+ %\) · "
+    r"(\d+ of \d+ blocks streamed|all \d+ blocks resident) · "
+    r"(\+\d+(\.\d+)? (s|ms) / (step|call)( \(estimate\))?|time not measured)$")
+
+
+def _check_answer_lines(data: dict, server, estimate: bool | None = None) -> list[str]:
+    """One answer line per model, in the issue's form; ``estimate`` says which time it must show."""
+    lines = data["answers"].split("\n")
+    assert len(lines) == int(data["models"]), data
+    for line in lines:
+        assert ANSWER_RE.match(line), line
+        if estimate is True:
+            assert line.endswith("(estimate)"), line
+        if estimate is False:
+            assert "(estimate)" not in line and "not measured" not in line, line
+    return lines
+
+
 def test_plan_drawn_in_browser(comfy_server, browser):
     from selenium.webdriver.common.by import By
 
@@ -244,7 +300,11 @@ def test_plan_drawn_in_browser(comfy_server, browser):
     assert "message" not in d, d
     # the node is at least as big as its content, and wide enough to read
     assert st["size"][1] >= st["min"][1] - 1 and st["width"] >= 300, st
-    assert st["stored"], "the payload was not kept in node.properties"
+    assert not st["stored"], "the plan was written into the workflow (node.properties)"
+    (line,) = _check_answer_lines(d, comfy_server, estimate=True)
+    assert line.startswith("fits · ") and f"of {TINY_UNITS} blocks streamed" in line, line
+    # compact: the node is no taller than its widgets and the compact plan (no locked minimum)
+    assert st["nodeHeight"] <= st["compactHeight"] + WIDGETS_HEIGHT_MAX, st
 
     px = browser.execute_script(CANVAS_PIXELS_JS)
     assert px["painted"] > 0.05 * px["total"], px
@@ -270,7 +330,8 @@ const [nodeId, done] = arguments;
   app.graph.clear();
   await app.loadGraphData(saved);
   const node = app.graph.getNodeById(nodeId);
-  done({type: node && node.type, stored: !!(node && node.properties.vramcut_plan)});
+  done({type: node && node.type, stored: !!(node && node.properties.vramcut_plan),
+        drawn: node && node.vramcutView.el.dataset.hasPlan});
 })().catch((e) => done({error: String(e && e.stack || e)}));
 """
 
@@ -279,7 +340,7 @@ const [nodeId, done] = arguments;
 (async () => {
   const { api } = await import("/scripts/api.js");
   const node = app.graph.getNodeById(nodeId);
-  const payload = JSON.parse(JSON.stringify(node.properties.vramcut_plan));
+  const payload = JSON.parse(JSON.stringify(node.vramcutView.raw));
   payload.message = "live update from the test";
   payload.models[0].stage = "measured";
   // a node inside a subgraph is addressed by its path; the last part is the node's own id
@@ -295,7 +356,7 @@ def test_plan_survives_reload_and_follows_live_events(comfy_server, browser):
     node_id, before = _run_example(browser, comfy_server)
 
     r = browser.execute_async_script(RELOAD_JS, node_id)
-    assert "error" not in r and r["type"] == NODE_TYPE and r["stored"], r
+    assert "error" not in r and r["type"] == NODE_TYPE and not r["stored"], r
     after = _wait(browser, "the plan after reload", lambda: _plan_drawn(browser))
     for k in ("segments", "resident", "streamed", "stage"):
         assert after["data"][k] == before["data"][k], (k, before, after)
@@ -359,21 +420,22 @@ DOCS_WIDTH = 460             # graph units (the node's default is 360)
 # Build VAELoader -> Max VRAM -> VAEDecode(EmptyLatentImage 64x64) -> PreviewImage in the page,
 # log what reaches the page (api events and every data-stage the node's plan element takes).
 BUILD_VAE_GRAPH_JS = """
-const [vaeName, budget, done] = arguments;
+const [vaeName, budget, firstId, done] = arguments;
 (async () => {
   const { api } = await import("/scripts/api.js");
   app.graph.clear();
   // Ids no other prompt of this module uses: the server addresses plan events by node id
   // alone, and a model that an earlier prompt patched reports its plan again when ComfyUI
   // unloads it, whenever that is.
-  let nextId = 701;
+  let nextId = firstId;
   const add = (type, pos, values = {}) => {
     const n = LiteGraph.createNode(type);
     if (!n) throw new Error("cannot create " + type);
     n.id = nextId++;
     n.pos = pos;
     app.graph.add(n);
-    if (n.id !== nextId - 1) throw new Error(`${type} got id ${n.id}, not ${nextId - 1}`);
+    // newer frontends may hand the id back as a string: compare the values, not the types
+    if (String(n.id) !== String(nextId - 1)) throw new Error(`${type} got id ${n.id}, not ${nextId - 1}`);
     for (const [k, v] of Object.entries(values)) {
       const w = n.widgets.find((w) => w.name === k);
       if (!w) throw new Error(type + " has no widget " + k);
@@ -473,7 +535,7 @@ const drawn = () => Number(view.el.dataset.drawn || 0);
 const before = drawn();
 if (width) {
   node.setSize([width, node.size[1]]);
-  node.setSize([width, node.computeSize()[1]]);
+  node.vramcutFit({shrink: true});  // the height that shows the whole plan
 }
 if (hideLinks !== null) app.canvas.links_render_mode = hideLinks ? LiteGraph.HIDDEN_LINK : LiteGraph.SPLINE_LINK;
 const ds = app.canvas.ds;
@@ -529,7 +591,7 @@ def _node_crop(browser, node_id, scale, width=None, hide_links=None, pad=8):
     """PNG of the node (title, widgets and plan) cut out of a page screenshot."""
     from PIL import Image
 
-    box = browser.execute_async_script(FRAME_NODE_JS, node_id, scale, 40, 90, width, hide_links)
+    box = browser.execute_async_script(FRAME_NODE_JS, node_id, scale, 100, 90, width, hide_links)  # clear of the sidebar
     assert box["settled"] and box["fits"], ("the plan was not redrawn at the new size / zoom", box)
     page = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
     l, t = max(0, int(box["left"]) - pad), max(0, int(box["top"]) - pad)
@@ -547,9 +609,10 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
     the node redraws with the measured plan (activations, idle encoder) without a reload."""
     s = comfy_server
     _open(browser, s)
-    ids = browser.execute_async_script(BUILD_VAE_GRAPH_JS, s.sd_vae, VAE_BUDGET_GB)
+    ids = browser.execute_async_script(BUILD_VAE_GRAPH_JS, s.sd_vae, VAE_BUDGET_GB, 701)
     assert "error" not in ids, ids["error"]
     cut, branch = ids["cut"], [ids["decode"], ids["preview"]]
+    browser.execute_script("app.graph.getNodeById(arguments[0]).vramcutSetDetails(true)", cut)  # every segment drawn
     colors = {"resident": ("#3b82f6", COLOR_TOLERANCE), "streamed": ("#f59e0b", COLOR_TOLERANCE),
               "activation": (ACTIVATION_COLOR, COLOR_TOLERANCE), "idle": (IDLE_COLOR, BADGE_TOLERANCE),
               "measured_badge": (MEASURED_BADGE, BADGE_TOLERANCE),
@@ -561,8 +624,9 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
     d = st["data"]
     assert d["stages"] == "weights" and d["idle"] == "0" and int(d["streamed"]) >= 1, d
     px = browser.execute_script(NODE_PIXELS_JS, cut, colors)
-    # no activations drawn but the legend's 9x9 swatch
-    assert px["weights_badge"] > 200 and px["measured_badge"] == 0 and px["activation"] <= 81, px
+    # no activations drawn but the legend's 10x10 swatch
+    assert px["weights_badge"] > 200 and px["measured_badge"] == 0 and px["activation"] <= 100, px
+    _check_answer_lines(d, s, estimate=True)
     weights_px = px
     _save("vae_weights_node.png", _node_crop(browser, cut, 1.0))
 
@@ -571,13 +635,14 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
     st = _wait_run(browser, s, cut, "measured")
     d, log = st["data"], st["log"]
     assert d["stages"] == "measured" and d["models"] == "1" and "message" not in d, d
+    _check_answer_lines(d, s, estimate=False)  # the time the run measured
     assert int(d["resident"]) >= 1 and int(d["streamed"]) >= 1 and int(d["idle"]) >= 1, d
     assert int(d["segments"]) == int(d["resident"]) + int(d["streamed"]) + int(d["idle"]), d
     (label,) = st["labels"]
     assert label.startswith("VAE"), label
     for part in ("decoder.up.0", "encoder.mid", "idle", "measured:", "1x4x8x8"):
         assert part in st["text"], (part, st["text"])
-    assert st["stored"] == "measured", "the measured plan was not kept in node.properties"
+    assert st["stored"] is None, "the plan was written into the workflow (node.properties)"
     # during this run the node was drawn as weights, then measured, never back; the measured
     # plan came from the server's live event ("executed" carries it too once the decode mutated
     # the node's output, but the cached node's "executed" comes before the decode)
@@ -622,3 +687,286 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
 
     errors = [m for m in _console_errors(browser) if "vramcut" in m.lower()]
     assert not errors, errors
+
+
+# ------------------------------------------------- the node in use: save state, warnings, theme, zoom
+
+# The change tracker of the open workflow (what draws the "unsaved" dot and keeps the undo steps).
+TRACKER_JS = """
+const [nodeId, save] = arguments;
+const wf = app.extensionManager && app.extensionManager.workflow && app.extensionManager.workflow.activeWorkflow;
+const ct = wf && wf.changeTracker;
+if (!ct) return {error: "no change tracker on app.extensionManager.workflow.activeWorkflow"};
+ct.checkState();
+if (save) {  // what saving does to the tracker: the current state becomes the saved one
+  ct.reset();
+  wf.isModified = false;
+}
+const node = app.graph.getNodeById(nodeId);
+return {modified: !!wf.isModified, undo: ct.undoQueue.length, size: [node.size[0], node.size[1]],
+        properties: Object.keys(node.properties || {})};
+"""
+
+
+def test_a_run_leaves_a_saved_workflow_unchanged(comfy_server, browser):
+    """Saved after a run, run again with no edit (the server's cache cleared, so everything
+    really runs and the node gets its live plans again): not marked changed, no undo steps."""
+    s = comfy_server
+    _open(browser, s)
+    ids = browser.execute_async_script(BUILD_VAE_GRAPH_JS, s.sd_vae, VAE_BUDGET_GB, 801)
+    assert "error" not in ids, ids["error"]
+    cut, branch = ids["cut"], [ids["decode"], ids["preview"]]
+    assert browser.execute_async_script(QUEUE_JS, branch, 0) is True
+    _wait_run(browser, s, cut, "measured")
+    # the preview node grows once its image has loaded (the host's own change): let it settle first
+    _wait(browser, "the preview image", lambda: browser.execute_script(
+        "const n = app.graph.getNodeById(arguments[0]); return !!(n.imgs && n.imgs.length)", ids["preview"]))
+    time.sleep(1.0)
+    saved = browser.execute_script(TRACKER_JS, cut, True)
+    assert "error" not in saved, saved
+
+    import urllib.request  # /free answers with an empty body
+    req = urllib.request.Request(s.url + "/free", data=json.dumps({"free_memory": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).close()  # the next prompt runs every node again
+    assert browser.execute_async_script(QUEUE_JS, branch, 0) is True
+    st = _wait_run(browser, s, cut, "measured")
+    live = [e for e in st["log"]["events"] if e["type"] == "vramcut.plan" and e["node"].split(":")[-1] == str(cut)]
+    assert live, ("the second run sent no live plan: it did not really run", st["log"]["events"])
+    _check_answer_lines(st["data"], s, estimate=False)
+    after = browser.execute_script(TRACKER_JS, cut, False)
+    assert not after["modified"], (saved, after)
+    assert after["undo"] == saved["undo"] and after["size"] == saved["size"], (saved, after)
+    assert "vramcut_plan" not in after["properties"], after
+
+
+SHRINK_JS = """
+const [nodeId] = arguments;
+const node = app.graph.getNodeById(nodeId);
+node.setSize([node.size[0], node.computeSize()[1]]);  // as small as the host lets a node be
+node.vramcutShow(node.vramcutView.raw);  // the same plan again, as the next run sends it
+app.canvas.setDirty(true, true);
+return node.size[1];
+"""
+
+NODE_SIZE_JS = """
+const node = app.graph.getNodeById(arguments[0]);
+const v = node.vramcutView;
+return {size: [node.size[0], node.size[1]], details: v.el.dataset.details,
+        compact: v.contentHeight(v.el.clientWidth || node.size[0] - 12),
+        fits: v.el.clientHeight > 0 && v.el.clientHeight + 1 >= v.contentHeight(v.el.clientWidth)};
+"""
+
+
+def test_node_is_compact_and_can_be_shrunk(comfy_server, browser):
+    """Compact by default; the details button grows it and "less" brings it back; a height the
+    user chose is kept when the next plan arrives (no locked minimum, no snapping back)."""
+    from selenium.webdriver.common.by import By
+
+    s = comfy_server
+    node_id, _ = _run_example(browser, s)
+    compact = _wait(browser, "the node to fit its plan", lambda: (
+        (z := browser.execute_script(NODE_SIZE_JS, node_id))["fits"] and z))
+    browser.find_element(By.CSS_SELECTOR, ".vramcut-plan-details").click()
+    grown = _wait(browser, "the details to open", lambda: (
+        (z := browser.execute_script(NODE_SIZE_JS, node_id))["details"] == "true" and z["size"][1] > compact["size"][1] + 20 and z))
+    _save("plan_details.png", browser.find_element(By.CSS_SELECTOR, ".vramcut-plan").screenshot_as_png)
+    browser.find_element(By.CSS_SELECTOR, ".vramcut-plan-details").click()
+    back = _wait(browser, "the details to close", lambda: (
+        (z := browser.execute_script(NODE_SIZE_JS, node_id))["details"] == "false" and z["size"][1] < grown["size"][1] and z))
+    assert abs(back["size"][1] - compact["size"][1]) <= 2, (compact, grown, back)
+
+    small = browser.execute_script(SHRINK_JS, node_id)
+    # the plan holds no minimum: the node goes down to its other widgets and the header row
+    assert small < compact["size"][1] - compact["compact"] + 2 * MIN_PLAN_ROW, (small, compact)
+    time.sleep(0.5)  # a few frames: nothing may snap it back
+    assert browser.execute_script(NODE_SIZE_JS, node_id)["size"][1] == small
+
+
+UNUSED_JS = """
+const [loaderId, cutId, decodeId, bypass] = arguments;
+const loader = app.graph.getNodeById(loaderId), cut = app.graph.getNodeById(cutId), decode = app.graph.getNodeById(decodeId);
+const from = bypass ? loader : cut;
+if (!from.connect(from.findOutputSlot("VAE") >= 0 ? from.findOutputSlot("VAE") : from.findOutputSlot("vae"), decode, decode.findInputSlot("vae")))
+  return {error: "cannot link"};
+app.canvas.setDirty(true, true);
+return true;
+"""
+
+
+def test_unused_output_is_warned_on_the_node(comfy_server, browser):
+    """The decode fed straight from the loader: the node's VAE output leads nowhere, and it says so."""
+    s = comfy_server
+    _open(browser, s)
+    ids = browser.execute_async_script(BUILD_VAE_GRAPH_JS, s.sd_vae, VAE_BUDGET_GB, 901)
+    assert "error" not in ids, ids["error"]
+    cut = ids["cut"]
+    loader = str(int(cut) - 1)  # ids come back as strings from newer frontends
+    state = lambda: browser.execute_script(NODE_STATE_JS, cut)["data"]  # noqa: E731
+    assert state().get("unused", "") == ""
+    assert browser.execute_script(UNUSED_JS, loader, cut, ids["decode"], True) is True
+    d = _wait(browser, "the unused-output warning", lambda: (d := state()).get("unused") == "VAE" and d)
+    warn = {"warning": ("#facc15", COLOR_TOLERANCE)}
+    _wait(browser, "the warning to be drawn", lambda: browser.execute_script(NODE_PIXELS_JS, cut, warn)["warning"] > 100)
+    time.sleep(0.3)
+    _save("unused_output_node.png", _node_crop(browser, cut, 1.0))
+    assert browser.execute_script(UNUSED_JS, loader, cut, ids["decode"], False) is True
+    _wait(browser, "the warning to go", lambda: state().get("unused") == "")
+
+
+THEME_JS = """
+const [palette, done] = arguments;
+(async () => {
+  const store = app.extensionManager && app.extensionManager.setting;
+  if (store && store.set) await store.set("Comfy.ColorPalette", palette);
+  else await app.ui.settings.setSettingValueAsync("Comfy.ColorPalette", palette);
+  done(true);
+})().catch((e) => done({error: String(e && e.stack || e)}));
+"""
+
+THEME_STATE_JS = """
+const node = app.graph.getNodeById(arguments[0]);
+const css = getComputedStyle(document.documentElement);
+return {fg: css.getPropertyValue("--input-text").trim(), drawnFg: node.vramcutView.el.dataset.fg,
+        drawn: Number(node.vramcutView.el.dataset.drawn || 0)};
+"""
+
+
+def test_theme_switch_redraws_the_plan(comfy_server, browser):
+    s = comfy_server
+    node_id, _ = _run_example(browser, s)
+    before = browser.execute_script(THEME_STATE_JS, node_id)
+    assert before["drawnFg"] == before["fg"], before
+    try:
+        assert browser.execute_async_script(THEME_JS, "light") is True
+        after = _wait(browser, "the plan redrawn in the light palette", lambda: (
+            (t := browser.execute_script(THEME_STATE_JS, node_id))["fg"] != before["fg"]
+            and t["drawnFg"] == t["fg"] and t["drawn"] > before["drawn"] and t))
+        time.sleep(0.3)
+        _save("plan_light_theme.png", _node_crop(browser, node_id, 1.0))
+        assert after["drawnFg"] != before["drawnFg"]
+    finally:
+        browser.execute_async_script(THEME_JS, "dark")
+
+
+ZOOM_JS = """
+const [nodeId, scale, collapse] = arguments;
+const node = app.graph.getNodeById(nodeId);
+app.canvas.ds.scale = scale;
+app.canvas.ds.offset = [100 / scale - node.pos[0], 90 / scale - node.pos[1]];
+if (!!node.flags.collapsed !== collapse) node.collapse();
+app.canvas.setDirty(true, true);
+const el = node.vramcutView.el;
+return {zoomed: el.dataset.zoomed, title: node.getTitle(), frame: node.vramcutView.frame};
+"""
+
+
+def test_zoomed_out_and_collapsed_the_answer_stays(comfy_server, browser):
+    s = comfy_server
+    node_id, st = _run_example(browser, s)
+    fits = {"fits": ("#22c55e", COLOR_TOLERANCE)}
+    browser.execute_script(ZOOM_JS, node_id, 0.5, False)
+    _wait(browser, "the zoomed-out answer", lambda: (
+        browser.execute_script(ZOOM_JS, node_id, 0.5, False)["zoomed"] == "out"
+        and browser.execute_script(NODE_PIXELS_JS, node_id, fits)["fits"] > 50))
+    time.sleep(0.3)
+    _save("plan_zoomed_out.png", browser.get_screenshot_as_png())
+    # at 70 % the plan is drawn at screen resolution (one canvas pixel per screen pixel)
+    browser.execute_script(ZOOM_JS, node_id, 0.7, False)
+    _wait(browser, "the plan redrawn at 70 %", lambda: browser.execute_script(
+        "const v = app.graph.getNodeById(arguments[0]).vramcutView;"
+        "return v.el.dataset.zoomed === 'in' && v.canvas.width === Math.round(v.el.clientWidth * 0.7)", node_id))
+    time.sleep(0.3)
+    _save("plan_zoom70.png", browser.get_screenshot_as_png())
+    z = browser.execute_script(ZOOM_JS, node_id, 1.0, True)
+    assert " · fits " in z["title"] and "%" in z["title"], z
+    time.sleep(0.3)
+    _save("plan_collapsed.png", browser.get_screenshot_as_png())
+    browser.execute_script(ZOOM_JS, node_id, 1.0, False)
+
+
+POINT_JS = """
+const el = document.querySelector(".vramcut-plan canvas");
+const r = el.getBoundingClientRect();
+const x = r.left + r.width / 2, y = r.top + r.height - 8;
+const hit = document.elementFromPoint(x, y);
+const node = app.graph.nodes.find((n) => n.vramcutView);
+return {x, y, onCanvas: hit === app.canvas.canvas, hit: hit && (hit.className || hit.tagName),
+        pos: [node.pos[0], node.pos[1]], scale: app.canvas.ds.scale};
+"""
+
+
+TIP_TARGET_JS = """
+const node = app.graph.nodes.find((n) => n.vramcutView);
+const v = node.vramcutView;
+const g = v.regions.find((r) => !r.section && /Bandwidth/.test(r.tip));
+const rect = v.canvas.getBoundingClientRect();
+const k = rect.width / v.el.clientWidth;
+return g ? {x: rect.left + (g.x + g.w / 2) * k, y: rect.top + (g.y + g.h / 2) * k} : null;
+"""
+
+TIP_STATE_JS = """
+const t = document.querySelector(".vramcut-tip");
+if (!t || t.style.display === "none") return null;
+const cs = getComputedStyle(t);
+return {text: t.textContent, font: cs.fontFamily, size: cs.fontSize};
+"""
+
+
+def test_hover_shows_a_short_styled_tooltip(comfy_server, browser):
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+    _run_example(browser, comfy_server)
+    at = browser.execute_script(TIP_TARGET_JS)
+    assert at, "no region with the cost explanation"
+    actions = ActionBuilder(browser)
+    actions.pointer_action.move_to_location(int(at["x"]), int(at["y"]))
+    actions.perform()
+    tip = _wait(browser, "the tooltip", lambda: browser.execute_script(TIP_STATE_JS))
+    assert "bandwidth" in tip["text"].lower() and len(tip["text"].splitlines()) <= 4, tip
+    assert "mono" not in tip["font"].lower() and tip["size"] == "12px", tip
+
+
+def test_budget_too_small_says_which_budget_works(comfy_server, browser):
+    """The error on the node offers the fix: a max_vram_gb that is large enough."""
+    s = comfy_server
+    _open(browser, s)
+    url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
+    r = browser.execute_async_script(RUN_EXAMPLE_JS, url, s.tiny_model, 0.001)
+    assert "error" not in r, r["error"]
+    st = _wait(browser, "the budget error on the node", lambda: (
+        (x := browser.execute_script(PLAN_STATE_JS)) and x["data"].get("message") and x))
+    view = browser.execute_script(
+        "const n = app.graph.getNodeById(arguments[0]); return n.vramcutView.payload", r["id"])
+    need = view.get("min_budget_bytes") or view.get("need_bytes")
+    assert need and need > 0.001 * 1024**3, (view, st)
+    m = re.match(r"Set max_vram_gb (to at least|above) (\d+\.\d\d)", st["data"].get("fix", ""))
+    assert m and float(m.group(2)) * 1024**3 >= need, (st["data"], need)
+    time.sleep(0.3)
+    _save("budget_error_node.png", _node_crop(browser, r["id"], 1.0))
+
+
+def test_drag_on_the_plan_moves_the_node(comfy_server, browser):
+    """Dragging on the plan moves the node; a right-click on it opens the node's context menu."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+    s = comfy_server
+    _run_example(browser, s)
+    p = browser.execute_script(POINT_JS)
+    actions = ActionBuilder(browser)
+    actions.pointer_action.move_to_location(int(p["x"]), int(p["y"])).pointer_down()
+    actions.pointer_action.move_to_location(int(p["x"]) + 40, int(p["y"]) + 20)
+    actions.pointer_action.move_to_location(int(p["x"]) + 80, int(p["y"]) + 40).pointer_up()
+    actions.perform()
+    q = browser.execute_script(POINT_JS)
+    moved = [(q["pos"][i] - p["pos"][i]) * p["scale"] for i in (0, 1)]
+    assert abs(moved[0] - 80) <= 4 and abs(moved[1] - 40) <= 4, (p, q)
+
+    actions = ActionBuilder(browser)
+    actions.pointer_action.move_to_location(int(q["x"]), int(q["y"])).context_click()
+    actions.perform()
+    menu = _wait(browser, "the node's context menu", lambda: browser.execute_script(
+        "return [...document.querySelectorAll('.litecontextmenu')].map((e) => e.textContent).join(' | ')"))
+    assert "Properties" in menu, menu  # the node's menu, not the canvas's
+    ActionChains(browser).send_keys("\ue00c").perform()  # Escape

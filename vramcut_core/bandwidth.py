@@ -1,0 +1,122 @@
+"""Host-to-device copy bandwidth, measured once per device and cached.
+
+The node estimates what streaming will cost before a run has measured it: streamed bytes per
+forward divided by the bandwidth the executor's copies get on this machine. That bandwidth is
+measured here, once per device (pinned host memory to the GPU; on CPU, a plain memory copy, which
+is what the CPU executor does), and kept in memory and in a small JSON file so the next process
+does not measure again.
+
+The cache file is ``$VRAMCUT_CACHE_DIR/bandwidth.json`` (default ``~/.cache/vramcut``); a cache
+that cannot be read or written only means measuring again. One rule: a figure in the cache was
+measured on this machine for this device name, never assumed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import torch
+
+from .tensors import MIB
+
+CACHE_ENV = "VRAMCUT_CACHE_DIR"
+CACHE_FILE = "bandwidth.json"
+PROBE_BYTES = 64 * MIB     # large enough to reach the link's rate, small enough to be quick
+PROBE_REPEATS = 3          # the best of these is kept: the first copy pays for warm-up
+
+_lock = threading.Lock()
+_memo: dict[str, dict] = {}
+
+
+def cache_path() -> str:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "vramcut")
+    return os.path.join(root, CACHE_FILE)
+
+
+def device_key(device) -> str:
+    """A name that identifies the copy path: the GPU's model for CUDA, ``cpu`` otherwise."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        return f"cuda:{torch.cuda.get_device_name(idx)}"
+    return dev.type
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_path(), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    path = cache_path()
+    try:
+        data = _read_cache()
+        data[key] = entry
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only means measuring again next time
+
+
+def measure(device, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> float:
+    """Bytes per second of a host-to-``device`` copy of ``nbytes`` (best of ``repeats``)."""
+    dev = torch.device(device)
+    n = max(1, int(nbytes))
+    best = float("inf")
+    if dev.type == "cuda":
+        src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(n, dtype=torch.uint8, device=dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+    else:
+        src = torch.ones(n, dtype=torch.uint8)
+        dst = torch.empty(n, dtype=torch.uint8, device=dev)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    return n / max(best, 1e-9)
+
+
+def host_to_device(device) -> dict:
+    """``{"bytes_per_s", "device", "source"}`` for ``device``: from memory, the cache file, or
+    measured now (``source`` says which). ``bytes_per_s`` is None when it could not be measured."""
+    key = device_key(device)
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
+        cached = _read_cache().get(key)
+        if isinstance(cached, dict) and isinstance(cached.get("bytes_per_s"), (int, float)) \
+                and cached["bytes_per_s"] > 0:
+            entry = {"bytes_per_s": float(cached["bytes_per_s"]), "device": key, "source": "cache"}
+        else:
+            try:
+                bps = measure(device)
+                entry = {"bytes_per_s": bps, "device": key, "source": "measured"}
+                _write_cache(key, {"bytes_per_s": bps, "probe_bytes": PROBE_BYTES,
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            except Exception:  # no memory for the probe, a device that went away: no estimate
+                entry = {"bytes_per_s": None, "device": key, "source": "unmeasurable"}
+        _memo[key] = entry
+        return dict(entry)
+
+
+def forget() -> None:
+    """Drop what this process remembers (tests; the cache file is kept)."""
+    with _lock:
+        _memo.clear()
