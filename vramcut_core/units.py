@@ -48,9 +48,21 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("unet", "UNet (SD1.x/SD2/SDXL)", ("input_blocks.*", "middle_block", "output_blocks.*")),
     Family("hidream", "HiDream", ("double_stream_blocks.*", "single_stream_blocks.*")),
-    Family("flux", "Flux/Chroma/HunyuanVideo", ("double_blocks.*", "single_blocks.*")),
+    # Chroma Radiance: the Chroma blocks, then the pixel-space NeRF head's blocks.
+    Family("chroma_radiance", "Chroma Radiance", ("double_blocks.*", "single_blocks.*", "nerf_blocks.*")),
+    # Flux.1/Flux.2/LongCat, Chroma, HunyuanVideo 1.0/1.5 and HunyuanImage 2.1 (a build may
+    # have no single blocks).
+    Family("flux", "Flux/Chroma/HunyuanVideo", ("double_blocks.*", "?single_blocks.*")),
     Family("mmdit", "SD3 MMDiT", ("joint_blocks.*",)),
-    Family("lumina2", "Lumina2", ("noise_refiner.*", "context_refiner.*", "layers.*")),
+    Family("kandinsky5", "Kandinsky 5", ("text_transformer_blocks.*", "visual_transformer_blocks.*")),
+    Family("omnigen2", "OmniGen2", ("noise_refiner.*", "?ref_image_refiner.*", "context_refiner.*", "layers.*"),
+           requires=("ref_image_refiner",)),
+    # Lumina2 and Z-Image (NextDiT; Z-Image Omni adds a SigLIP refiner).
+    Family("lumina2", "Lumina2/Z-Image", ("noise_refiner.*", "context_refiner.*", "?siglip_refiner.*", "layers.*")),
+    # LTX-Video and LTX-2: each LTX-2 block holds the video and the audio tower's layers of one
+    # depth (they cross-attend), so cutting the block list cuts both towers.
+    Family("ltxv", "LTX-Video/LTX-2", ("transformer_blocks.*",), requires=("patchify_proj", "adaln_single")),
+    Family("cosmos", "Cosmos", ("blocks.*",), requires=("x_embedder", "pos_embedder")),
     Family("wan", "Wan", ("blocks.*", "?vace_blocks.*"), requires=("patch_embedding",)),
     Family("qwen_image", "Qwen-Image", ("transformer_blocks.*",), requires=("img_in", "txt_in")),
     Family("esrgan", "ESRGAN", ("model.1.sub.*",)),
