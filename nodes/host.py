@@ -32,6 +32,7 @@ import comfy.utils
 from comfy.patcher_extension import CallbacksMP
 
 from ..vramcut_core import BudgetError, Engine, EngineConfig
+from ..vramcut_core import executor as executor_module
 from ..vramcut_core import bandwidth
 from ..vramcut_core.report import cost_to_json
 from ..vramcut_core.tensors import GIB, fmt_bytes
@@ -167,7 +168,7 @@ class PatchState:
         if eng is None or eng.executor.device != dev:
             cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               pinned=self.pinned)
+                               pinned=self.pinned, pin_memory=host_pinning())
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
             eng.executor.alloc_context = host_allocation_pause()
             streams.attach(eng, dev)
@@ -307,6 +308,27 @@ class DeviceMerge:
         temp = mm.cast_to_device(weight, weight.device, temp_dtype, copy=True)
         out = comfy.lora.calculate_weight(p.patches[key], temp, key)
         return comfy.float.stochastic_rounding(out, weight.dtype, seed=_string_to_seed(key))
+
+
+def host_pinning() -> bool:
+    """Whether the pack may page-lock host memory, within the host's own limit.
+
+    Hosts that pin offloaded weights themselves (``comfy.model_management.MAX_PINNED_MEMORY``,
+    newer releases) count what they pinned against a limit: the pack's own pins stay within
+    what that limit leaves, and pin nothing where the host pins nothing (``--disable-pinned-
+    memory``, or a device it does not pin for). Weights the host has already page-locked are
+    copied from where they are, never registered again (the executor checks ``is_pinned``)."""
+    from comfy.cli_args import args
+    if getattr(args, "disable_pinned_memory", False):
+        return False
+    limit = getattr(mm, "MAX_PINNED_MEMORY", None)
+    if limit is None:  # the host pins nothing itself (0.3.x): the executor's own cap applies
+        return True
+    if limit <= 0:
+        return False
+    executor_module.PINNED.room = lambda: int(mm.MAX_PINNED_MEMORY - getattr(mm, "TOTAL_PINNED_MEMORY", 0)
+                                              - executor_module.PINNED.bytes)
+    return True
 
 
 def host_allocation_pause():

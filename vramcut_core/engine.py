@@ -30,6 +30,7 @@ class EngineConfig:
     residency: bool = True
     pinned: tuple[str, ...] = ()     # unit name patterns that must stay resident
     track_cpu_memory: bool = False   # measure activations on every CPU forward, not only the first
+    pin_memory: bool = True          # page-lock host masters (CUDA); off: plain pageable copies
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
@@ -49,7 +50,7 @@ class Engine:
         self.unitset = find_units(module, config.family)
         self._all: dict[str, Unit] = {}
         self._reset_units()
-        self.executor = SegmentedExecutor(self._lookup, config.device,
+        self.executor = SegmentedExecutor(self._lookup, config.device, pin_memory=config.pin_memory,
                                           track_cpu_memory=config.track_cpu_memory, module=module)
         self._plans: dict[tuple, Plan] = {}
         self._failed: dict[tuple, BudgetError] = {}

@@ -107,11 +107,13 @@ def _physical_ram() -> int | None:
 
 
 class _PinLedger:
-    """Bytes the pack has page-locked in this process, against a cap."""
+    """Bytes the pack has page-locked in this process, against a cap; ``room`` (set by a host
+    that pins memory itself) says how many more bytes its own limit leaves for the pack."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.cap: int | None = None
+        self.room: Callable[[], int] | None = None
 
     def limit(self) -> int | None:
         if self.cap is None:
@@ -121,7 +123,9 @@ class _PinLedger:
 
     def allows(self, n: int) -> bool:
         cap = self.limit()
-        return cap is None or self.bytes + n <= cap
+        if cap is not None and self.bytes + n > cap:
+            return False
+        return self.room is None or n <= self.room()
 
 
 PINNED = _PinLedger()
