@@ -36,6 +36,7 @@ from torch import nn
 from .measure import CPUMeter, CUDAMeter, Meter, UnitMeasurement
 from .plan import Plan
 from .report import RunStats
+from . import quant
 from .tensors import align_up, is_plain_tensor, tensor_nbytes
 from .units import Unit
 
@@ -48,19 +49,33 @@ class _Layout:
     other: list[int]                   # indices of tensors moved one by one (subclasses)
     nbytes: int                        # flat buffer size (aligned)
     other_bytes: int
+    # quantized subclasses taken apart (vramcut_core.quant): index -> [(offset, nbytes)] per part
+    quant: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
 def _layout(unit: Unit) -> _Layout:
     flat, other, off, other_bytes = [], [], 0, 0
+    qparts: dict[int, list[tuple[int, int]]] = {}
     for i, ut in enumerate(unit.tensors):
         if is_plain_tensor(ut.tensor) and ut.tensor.is_contiguous():
             n = ut.tensor.numel() * ut.tensor.element_size()
             flat.append((i, off, n))
             off = align_up(off + n)
+        elif (ps := quant.parts(ut.tensor)) is not None:
+            qparts[i] = []
+            for p in ps:
+                n = p.numel() * p.element_size()
+                qparts[i].append((off, n))
+                off = align_up(off + n)
         else:
             other.append(i)
             other_bytes += tensor_nbytes(ut.tensor)
-    return _Layout(flat, other, off, other_bytes)
+    return _Layout(flat, other, off, other_bytes, qparts)
+
+
+def _quant_views(buf: torch.Tensor, t: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of ``buf`` shaped like the parts of quantized tensor ``t``."""
+    return [_view(buf, off, n, p) for (off, n), p in zip(spans, quant.parts(t))]
 
 
 def _view(buf: torch.Tensor, off: int, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -76,9 +91,16 @@ class _HostMaster:
         for i, off, n in layout.flat:
             t = unit.tensors[i].tensor
             _view(self.buf, off, n, t).copy_(t.data)
+        for i, spans in layout.quant.items():
+            t = unit.tensors[i].tensor
+            for v, p in zip(_quant_views(self.buf, t, spans), quant.parts(t)):
+                v.copy_(p)
         for i, off, n in layout.flat:  # the flat buffer is now the master: drop the old storage
             t = unit.tensors[i].tensor
             t.data = _view(self.buf, off, n, t)
+        for i, spans in layout.quant.items():
+            t = unit.tensors[i].tensor
+            quant.rehome_(t, _quant_views(self.buf, t, spans))
         if self.buf.numel():
             try:
                 err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
@@ -89,7 +111,9 @@ class _HostMaster:
     def backs(self, unit: Unit, layout: _Layout) -> bool:
         """Do the unit's tensors still live in this buffer?"""
         base = self.buf.data_ptr()
-        return all(unit.tensors[i].tensor.data_ptr() == base + off for i, off, _ in layout.flat)
+        return (all(unit.tensors[i].tensor.data_ptr() == base + off for i, off, _ in layout.flat)
+                and all(p.data_ptr() == base + off for i, spans in layout.quant.items()
+                        for (off, _), p in zip(spans, quant.parts(unit.tensors[i].tensor))))
 
     def release(self) -> None:
         """Unpin; the tensors keep living in the (now pageable) buffer."""
@@ -107,6 +131,7 @@ class _DeviceCopy:
     def __init__(self) -> None:
         self.unit: str | None = None
         self.views: dict[int, torch.Tensor] = {}     # tensor index -> device tensor
+        self.parts: dict[int, list[torch.Tensor]] = {}  # quantized tensor index -> device parts
         self.ready: object | None = None             # CUDA event of the copy, or None
 
 
@@ -354,7 +379,7 @@ class SegmentedExecutor:
             m.release()  # someone moved the tensors since (another engine, the host): rebuild
             m = None
         if m is None:
-            if not lay.flat or any(unit.tensors[i].tensor.is_pinned() for i, _, _ in lay.flat):
+            if not lay.nbytes or any(unit.tensors[i].tensor.is_pinned() for i, _, _ in lay.flat):
                 return None
             m = self._masters[name] = _HostMaster(unit, lay)
         return m
@@ -386,12 +411,20 @@ class SegmentedExecutor:
                     buf[:lay.nbytes].copy_(master.buf, non_blocking=master.pinned)
                     for i, off, n in lay.flat:
                         dc.views[i] = _view(buf, off, n, unit.tensors[i].tensor)
+                    for i, spans in lay.quant.items():
+                        dc.parts[i] = _quant_views(buf, unit.tensors[i].tensor, spans)
                 else:
                     for i, off, n in lay.flat:
                         src = self._host(name, i)
                         v = _view(buf, off, n, src)
                         v.copy_(src, non_blocking=self.cuda)
                         dc.views[i] = v
+                    for i, spans in lay.quant.items():
+                        t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
+                        views = _quant_views(buf, t, spans)
+                        for v, p in zip(views, quant.parts(t)):
+                            v.copy_(p, non_blocking=self.cuda)
+                        dc.parts[i] = views
                 for i in lay.other:
                     src = self._host(name, i)
                     dev = src.to(self.device, non_blocking=self.cuda)
@@ -446,6 +479,14 @@ class SegmentedExecutor:
                     new = nn.Parameter(dev, requires_grad=ut.tensor.requires_grad)
                 for r in ut.refs:
                     r.set(new)
+        for i, views in dc.parts.items():  # quantized: a new object around the device parts
+            ut = unit.tensors[i]
+            saved[i] = ut.tensor
+            new = quant.rebuild(ut.tensor, views)
+            if isinstance(ut.tensor, nn.Parameter) and not isinstance(new, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=False)
+            for r in ut.refs:
+                r.set(new)
         self._swapped[name] = saved
 
     def _swap_out(self, name: str) -> None:
@@ -453,10 +494,11 @@ class SegmentedExecutor:
         if saved is None:
             return
         unit = self._unit(name)
-        other = self.layout(name).other
+        lay = self.layout(name)
+        other = lay.other
         for i, host in saved.items():
             ut = unit.tensors[i]
-            if i not in other:
+            if i not in other and i not in lay.quant:
                 ut.tensor.data = host
             else:
                 for r in ut.refs:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from . import quant
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -33,6 +35,9 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     """
     if is_plain_tensor(t) or t.is_meta:
         return t.numel() * t.element_size()
+    stored = quant.stored_nbytes(t)  # quantized formats: the bytes they are stored in
+    if stored is not None:
+        return stored
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None:
         try:
