@@ -11,8 +11,11 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   through (at most) two slot buffers of the plan's slot size. Every byte placed on the device is
   counted (``device_bytes``, ``peak_weight_bytes``).
 * Pointer swaps. While a unit's weights are on the device, its parameters' ``.data`` point at
-  views of the executor's buffers (tensor subclasses are swapped as objects, their metadata
-  intact); afterwards they point back at their masters. The Parameter objects never change.
+  views of the executor's buffers; quantized tensor subclasses are taken apart into their inner
+  tensors (``quant``), which sit in the same flat buffers, and the layer sees a new object of
+  the same type around the device views, its metadata intact (a subclass that cannot be taken
+  apart is moved as an object beside the slots, and counted); afterwards they point back at
+  their masters. After a forward the model holds the same Parameter objects as before.
 * Scheduling by unit. Forward pre-hooks on every module that reads a unit's tensors tell the
   executor which unit runs; nothing counts calls, so skipped blocks, replaced blocks and blocks
   run twice are all fine. Entering a streamed unit waits for its copy (or loads it then), and

@@ -22,7 +22,8 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 def is_plain_tensor(t: torch.Tensor) -> bool:
     """True for ordinary dense tensors (Parameter included); False for tensor subclasses
-    (quantized weights and the like), which the executor moves one by one with `.to()`."""
+    (quantized weights and the like), which the executor takes apart (``quant``) or, failing
+    that, moves one by one with `.to()`."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
 
 
