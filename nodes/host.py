@@ -454,6 +454,14 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         st = state_of(self)
         return free + (streams.held_bytes(st) if st is not None else 0)
 
+    def clone(self, *args, **kwargs):
+        n = super().clone(*args, **kwargs)
+        # A loader pack's patcher may make its clones its own class again (ComfyUI-GGUF's
+        # does): keep VRAMCut on top of it, as it was on the original.
+        if not isinstance(n, VRAMCutModelPatcher) and state_of(n) is not None:
+            n.__class__ = _patcher_class(type(n))
+        return n
+
     def model_size(self):
         real = super().model_size()
         st = state_of(self) if hasattr(self, "attachments") else None

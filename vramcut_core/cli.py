@@ -16,8 +16,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m vramcut_core", description="VRAMCut: run models under a VRAM budget.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    pl = sub.add_parser("plan", help="plan a .safetensors model from its header (no weights read)")
-    pl.add_argument("model", help="path to a .safetensors file")
+    pl = sub.add_parser("plan", help="plan a .safetensors or .gguf model from its header (no weights read)")
+    pl.add_argument("model", help="path to a .safetensors or .gguf file (quantized: stored bytes)")
     pl.add_argument("--max-vram", required=True, metavar="GIB", help="VRAM budget in GiB")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--no-prefetch", action="store_true", help="one streaming slot, no overlap")
@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
 def _plan(a) -> int:
     from .safetensors_plan import plan_units_from_header, read_header
 
+    from .gguf_header import is_gguf, read_gguf_header
+
     budget = gib_to_bytes(a.max_vram)
-    header = read_header(a.model)
+    header = read_gguf_header(a.model) if is_gguf(a.model) else read_header(a.model)
     units = plan_units_from_header(header)
     if not units:
         raise ValueError(f"{a.model}: holds no tensors")
@@ -44,7 +46,9 @@ def _plan(a) -> int:
     if a.json:
         print(dumps(plan_to_json(plan)))
     else:
-        print(plan_to_text(plan, title=f"{a.model}: {len(units)} units, weights only"))
+        kinds = sorted({v["dtype"] for v in header.values()})
+        print(plan_to_text(plan, title=f"{a.model}: {len(units)} units, weights only, "
+                                       f"stored bytes ({', '.join(kinds)})"))
     return 0
 
 

@@ -14,10 +14,12 @@ from typing import Callable
 
 from torch import nn
 
+from . import quant
 from .executor import SegmentedExecutor
 from .measure import UnitMeasurement, describe_signature, signature
 from .plan import BudgetError, Plan, PlanOptions, PlanUnit, make_plan
 from .report import RunStats, plan_to_json, plan_to_text
+from .tensors import is_plain_tensor
 from .units import Unit, find_units, split_unit
 
 
@@ -67,6 +69,12 @@ class Engine:
         for u in self.unitset.units:
             if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.pinned):
                 u.pinned = True
+        fmts = sorted({quant.format_name(t.tensor) for u in self.unitset.units for t in u.tensors
+                       if not is_plain_tensor(t.tensor) and quant.parts(t.tensor) is None})
+        if fmts:
+            self.unitset.warnings.append(
+                f"weights in {', '.join(fmts)} cannot be taken apart: they are moved one by one "
+                "beside the streaming slots (still counted in the budget)")
 
     def _lookup(self, name: str) -> Unit:
         return self._all[name]

@@ -11,8 +11,11 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   through (at most) two slot buffers of the plan's slot size. Every byte placed on the device is
   counted (``device_bytes``, ``peak_weight_bytes``).
 * Pointer swaps. While a unit's weights are on the device, its parameters' ``.data`` point at
-  views of the executor's buffers (tensor subclasses are swapped as objects, their metadata
-  intact); afterwards they point back at their masters. The Parameter objects never change.
+  views of the executor's buffers; quantized tensor subclasses are taken apart into their inner
+  tensors (``quant``), which sit in the same flat buffers, and the layer sees a new object of
+  the same type around the device views, its metadata intact (a subclass that cannot be taken
+  apart is moved as an object beside the slots, and counted); afterwards they point back at
+  their masters. After a forward the model holds the same Parameter objects as before.
 * Scheduling by unit. Forward pre-hooks on every module that reads a unit's tensors tell the
   executor which unit runs; nothing counts calls, so skipped blocks, replaced blocks and blocks
   run twice are all fine. Entering a streamed unit waits for its copy (or loads it then), and
@@ -47,6 +50,7 @@ from torch import nn
 from .measure import CPUMeter, CUDAMeter, Meter, UnitMeasurement
 from .plan import Plan
 from .report import RunStats
+from . import quant
 from .tensors import align_up, is_plain_tensor, tensor_nbytes
 from .units import Unit
 
@@ -59,19 +63,33 @@ class _Layout:
     other: list[int]                   # indices of tensors moved one by one (subclasses)
     nbytes: int                        # flat buffer size (aligned)
     other_bytes: int
+    # quantized subclasses taken apart (vramcut_core.quant): index -> [(offset, nbytes)] per part
+    quant: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
 def _layout(unit: Unit) -> _Layout:
     flat, other, off, other_bytes = [], [], 0, 0
+    qparts: dict[int, list[tuple[int, int]]] = {}
     for i, ut in enumerate(unit.tensors):
         if is_plain_tensor(ut.tensor) and ut.tensor.is_contiguous():
             n = ut.tensor.numel() * ut.tensor.element_size()
             flat.append((i, off, n))
             off = align_up(off + n)
+        elif (ps := quant.parts(ut.tensor)) is not None:
+            qparts[i] = []
+            for p in ps:
+                n = p.numel() * p.element_size()
+                qparts[i].append((off, n))
+                off = align_up(off + n)
         else:
             other.append(i)
             other_bytes += tensor_nbytes(ut.tensor)
-    return _Layout(flat, other, off, other_bytes)
+    return _Layout(flat, other, off, other_bytes, qparts)
+
+
+def _quant_views(buf: torch.Tensor, t: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of ``buf`` shaped like the parts of quantized tensor ``t``."""
+    return [_view(buf, off, n, p) for (off, n), p in zip(spans, quant.parts(t))]
 
 
 def _view(buf: torch.Tensor, off: int, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -188,6 +206,13 @@ class _HostMaster:
             for i, off, n in layout.flat:  # the flat buffer is now the master: drop the old storage
                 t = unit.tensors[i].tensor
                 t.data = _view(self.buf, off, n, t)
+            for i, spans in layout.quant.items():
+                t = unit.tensors[i].tensor
+                for v, p in zip(_quant_views(self.buf, t, spans), quant.parts(t)):
+                    v.copy_(p)
+            for i, spans in layout.quant.items():  # likewise for quantized tensors' parts
+                t = unit.tensors[i].tensor
+                quant.rehome_(t, _quant_views(self.buf, t, spans))
         self.pinned = False
         self.readers: dict[int, object] = {}   # copy stream id -> event of its last copy from here
         self._fin = None
@@ -208,7 +233,9 @@ class _HostMaster:
     def backs(self, unit: Unit, layout: _Layout) -> bool:
         """Do the unit's tensors still live in this buffer?"""
         base = self.buf.data_ptr()
-        return all(unit.tensors[i].tensor.data_ptr() == base + off for i, off, _ in layout.flat)
+        return (all(unit.tensors[i].tensor.data_ptr() == base + off for i, off, _ in layout.flat)
+                and all(p.data_ptr() == base + off for i, spans in layout.quant.items()
+                        for (off, _), p in zip(spans, quant.parts(unit.tensors[i].tensor))))
 
     def read_by(self, stream, done) -> None:
         self.readers[id(stream)] = done
@@ -226,6 +253,7 @@ class _DeviceCopy:
     def __init__(self) -> None:
         self.unit: str | None = None
         self.views: dict[int, torch.Tensor] = {}     # tensor index -> device tensor
+        self.parts: dict[int, list[torch.Tensor]] = {}  # quantized tensor index -> device parts
         self.ready: object | None = None             # CUDA event of the copy, or None
         self.patched = False                         # on_loaded has run on this copy
 
@@ -557,9 +585,9 @@ class SegmentedExecutor:
             m.release()  # someone moved the tensors since (the host): rebuild
             m = None
         if m is None:
-            if not lay.flat:
+            if not lay.nbytes:
                 return None
-            key = tuple(id(unit.tensors[i].tensor) for i, _, _ in lay.flat)
+            key = tuple(id(unit.tensors[i].tensor) for i in [i for i, _, _ in lay.flat] + list(lay.quant))
             m = _SHARED_MASTERS.get(key)  # another executor on the same tensors built it
             if m is None or not m.backs(unit, lay):
                 if any(unit.tensors[i].tensor.is_pinned() for i, _, _ in lay.flat):
@@ -600,12 +628,20 @@ class SegmentedExecutor:
                     buf[:lay.nbytes].copy_(src_buf, non_blocking=async_ok)
                     for i, off, n in lay.flat:
                         dc.views[i] = _view(buf, off, n, unit.tensors[i].tensor)
+                    for i, spans in lay.quant.items():
+                        dc.parts[i] = _quant_views(buf, unit.tensors[i].tensor, spans)
                 else:
                     for i, off, n in lay.flat:
                         src = self._host(name, i)
                         v = _view(buf, off, n, src)
                         v.copy_(src, non_blocking=self.cuda)
                         dc.views[i] = v
+                    for i, spans in lay.quant.items():
+                        t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
+                        views = _quant_views(buf, t, spans)
+                        for v, p in zip(views, quant.parts(t)):
+                            v.copy_(p, non_blocking=self.cuda)
+                        dc.parts[i] = views
                 for i in lay.other:
                     src = self._host(name, i)
                     dev = src.to(self._place, non_blocking=self.cuda, copy=True)
@@ -671,6 +707,14 @@ class SegmentedExecutor:
                     new = nn.Parameter(dev, requires_grad=ut.tensor.requires_grad)
                 for r in ut.refs:
                     r.set(new)
+        for i, views in dc.parts.items():  # quantized: a new object around the device parts
+            ut = unit.tensors[i]
+            saved[i] = ut.tensor
+            new = quant.rebuild(ut.tensor, views)
+            if isinstance(ut.tensor, nn.Parameter) and not isinstance(new, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=False)
+            for r in ut.refs:
+                r.set(new)
         self._swapped[name] = saved
 
     def _swap_out(self, name: str) -> None:
@@ -678,10 +722,11 @@ class SegmentedExecutor:
         if saved is None:
             return
         unit = self._unit(name)
-        other = self.layout(name).other
+        lay = self.layout(name)
+        other = lay.other
         for i, host in saved.items():
             ut = unit.tensors[i]
-            if i not in other:
+            if i not in other and i not in lay.quant:
                 ut.tensor.data = host
             else:
                 for r in ut.refs:

@@ -12,6 +12,7 @@ import dataclasses
 import weakref
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -93,6 +94,14 @@ class Meter:
         raise NotImplementedError
 
 
+def _has_storage(a) -> bool:
+    """A tensor with a storage of its own: not meta, not sparse, not a wrapper subclass (a
+    quantized weight whose bytes are its inner tensors, counted when they are created)."""
+    if not isinstance(a, torch.Tensor) or a.is_meta or a.layout != torch.strided:
+        return False
+    return type(a) in (torch.Tensor, torch.nn.Parameter) or not hasattr(a, "__tensor_flatten__")
+
+
 class _LiveBytesMode(TorchDispatchMode):
     """Counts the storages that operators create and that are still alive."""
 
@@ -109,11 +118,10 @@ class _LiveBytesMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         flat_in, _ = tree_flatten((args, kwargs))
-        in_ptrs = {a.untyped_storage().data_ptr() for a in flat_in
-                   if isinstance(a, torch.Tensor) and not a.is_meta and a.layout == torch.strided}
+        in_ptrs = {a.untyped_storage().data_ptr() for a in flat_in if _has_storage(a)}
         flat_out, _ = tree_flatten(out)
         for t in flat_out:
-            if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+            if not _has_storage(t):
                 continue
             st = t.untyped_storage()
             ptr = st.data_ptr()
@@ -131,13 +139,30 @@ class _LiveBytesMode(TorchDispatchMode):
         self.live -= n
 
 
+class _PlainAlias(TorchFunctionMode):
+    """Keeps ``torch.Tensor(subclass_tensor)`` a plain tensor while the dispatch mode above is
+    active. Without a mode that constructor never reaches Python; with one it runs ``aten.alias``
+    through the subclass's ``__torch_function__``, which turns the result back into the
+    subclass and then calls its ``__init__`` without the metadata it requires (ComfyUI-GGUF's
+    ``GGMLTensor`` does exactly this call on every layer output)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.alias.default:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 class CPUMeter(Meter):
     """Live tensor bytes on CPU, tracked per operator (slow; used for measured forwards)."""
 
     def __init__(self) -> None:
         self._mode: _LiveBytesMode | None = None
+        self._alias: _PlainAlias | None = None
 
     def start(self) -> None:
+        self._alias = _PlainAlias()
+        self._alias.__enter__()
         self._mode = _LiveBytesMode()
         self._mode.__enter__()
 
@@ -145,6 +170,9 @@ class CPUMeter(Meter):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+        if self._alias is not None:
+            self._alias.__exit__(None, None, None)
+            self._alias = None
 
     @property
     def active(self) -> bool:

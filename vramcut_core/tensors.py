@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from . import quant
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -20,7 +22,8 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 def is_plain_tensor(t: torch.Tensor) -> bool:
     """True for ordinary dense tensors (Parameter included); False for tensor subclasses
-    (quantized weights and the like), which the executor moves one by one with `.to()`."""
+    (quantized weights and the like), which the executor takes apart (``quant``) or, failing
+    that, moves one by one with `.to()`."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
 
 
@@ -33,6 +36,9 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     """
     if is_plain_tensor(t) or t.is_meta:
         return t.numel() * t.element_size()
+    stored = quant.stored_nbytes(t)  # quantized formats: the bytes they are stored in
+    if stored is not None:
+        return stored
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None:
         try:
