@@ -33,6 +33,7 @@ from comfy.patcher_extension import CallbacksMP
 
 from ..vramcut_core import BudgetError, Engine, EngineConfig
 from ..vramcut_core import executor as executor_module
+from ..vramcut_core import quant
 from ..vramcut_core import bandwidth
 from ..vramcut_core.report import cost_to_json
 from ..vramcut_core.tensors import GIB, fmt_bytes
@@ -236,16 +237,22 @@ def _string_to_seed(key: str) -> int:
 
 
 def mergeable_patch_keys(patcher) -> frozenset[str]:
-    """Weight-patch keys (LoRA and the like) whose weight is a plain tensor with no host
-    conversion: VRAMCut merges those into the device copy of the unit. The rest (quantized
-    weights, weights with set/convert functions) keep the host's own per-forward patching."""
+    """Weight-patch keys (LoRA and the like) VRAMCut merges into the device copy of the unit.
+    Where the host's merge can return the merged weight (newer hosts), every weight the executor
+    holds as a plain tensor or takes apart (quantized: the host requantizes, its parts replace
+    the device parts); on older hosts, plain weights with no host conversion. The rest keep the
+    host's own per-forward patching."""
     keys = []
+    returns = DeviceMerge.host_returns_weight(patcher)
     for key in getattr(patcher, "patches", {}):
         try:
             weight, set_func, convert_func = comfy.model_patcher.get_key_weight(patcher.model, key)
         except Exception:  # a key the model does not have: the host ignores it too
             continue
-        if set_func is None and convert_func is None and type(weight) in (torch.Tensor, torch.nn.Parameter):
+        plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
+        if returns and (plain or quant.parts(weight) is not None):
+            keys.append(key)
+        elif plain and set_func is None and convert_func is None:
             keys.append(key)
     return frozenset(keys)
 
@@ -262,10 +269,15 @@ class DeviceMerge:
     def __init__(self, patcher, prefix: str, keys: frozenset[str]) -> None:
         self.patcher, self.prefix, self.keys = patcher, prefix, keys
         self.key = (id(patcher.patches), getattr(patcher, "patches_uuid", None), keys)
-        cls = type(patcher)
-        if cls not in self._host_returns:
-            self._host_returns[cls] = "return_weight" in inspect.signature(cls.patch_weight_to_device).parameters
-        self.host_merges = self._host_returns[cls]
+        self.host_merges = self.host_returns_weight(patcher)
+
+    @classmethod
+    def host_returns_weight(cls, patcher) -> bool:
+        """Can the host's ``patch_weight_to_device`` return the merged weight (newer hosts)?"""
+        t = type(patcher)
+        if t not in cls._host_returns:
+            cls._host_returns[t] = "return_weight" in inspect.signature(t.patch_weight_to_device).parameters
+        return cls._host_returns[t]
 
     @contextlib.contextmanager
     def host_patches_off(self):
@@ -295,8 +307,19 @@ class DeviceMerge:
     def __call__(self, unit) -> None:
         for ut in unit.tensors:
             key = next((k for k in (self.prefix + r.qualname for r in ut.refs) if k in self.keys), None)
-            if key is not None:
-                ut.tensor.data.copy_(self.merged(key, ut.tensor.data))
+            if key is None:
+                continue
+            live = ut.refs[0].get()  # the device copy the unit's modules read now
+            if type(live) in (torch.Tensor, torch.nn.Parameter):
+                live.data.copy_(self.merged(key, live.data))
+                continue
+            # a quantized weight: the host requantizes the merged weight; its parts replace the
+            # device copy's parts (same layout, recalculated scales)
+            dst, src = quant.parts(live), quant.parts(self.merged(key, live))
+            if dst is None or src is None or [(t.shape, t.dtype) for t in dst] != [(t.shape, t.dtype) for t in src]:
+                raise VRAMCutError(f"cannot merge the weight patch of {key} into its quantized device copy")
+            for d, s in zip(dst, src):
+                d.copy_(s)
 
     def merged(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         p = self.patcher
