@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from unit_checks import assert_peak_within_budget
 
 GIB = 1 << 30
 DEPTH = 4          # the tiny SD3: hidden 256, 4 joint blocks
@@ -117,6 +118,7 @@ def test_controlnet_on_patched_model_matches_unpatched(setup, max_vram, pack):
         assert e["kind"] == "MODEL" and e["stage"] == "measured"
         assert e["plan"]["streamed_bytes_per_forward"] > 0, "the budget must make the model stream"
         assert e["plan"]["peak_bytes"] <= e["plan"]["budget_bytes"]
+        assert_peak_within_budget(e["plan"])
         # without the ControlNet the patched model still gives the plain result
         assert torch.equal(tm.sample(patched, pos, neg, LATENT, steps=3), plain)
         # and the unpatched model is unchanged
