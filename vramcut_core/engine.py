@@ -6,11 +6,12 @@ activation meter records each unit's live bytes; from that, the merged plan for 
 built and cached. Later forwards with the same signature reuse it, so a sampling run plans once;
 a new resolution or batch plans again.
 
-The one rule: the measured forward stays within the budget too. Its slot is cut finer than the
-budget needs for weights alone when the budget needs it, and the executor stops
-it the moment weights plus live activations would pass the budget; the engine then cuts every
-unit of the slot's size finer and measures again, while that lowers the weights it holds, until it fits or nothing can be cut finer,
-which is a ``BudgetError`` naming what does not fit and the smallest budget that works.
+The one rule: the measured forward stays within the budget too. It starts with the units cut
+only as far as the budget needs for weights alone (cutting adds resident parts, so it is not done
+for nothing); the executor stops it the moment weights plus live activations would pass the
+budget, and the engine then cuts every unit of the slot's size finer and measures again, for as
+long as that lowers the weights it holds. When it cannot, a ``BudgetError`` names what does not
+fit and the smallest budget that works.
 
 With ``VRAMCUT_VERIFY=1`` in the environment (or ``EngineConfig(verify=True)``) the first forward
 of each new shape is run a second time unpatched on the same inputs and the largest absolute
@@ -37,9 +38,6 @@ from .units import Unit, find_units, split_unit
 log = logging.getLogger("vramcut")
 
 VERIFY_ENV = "VRAMCUT_VERIFY"
-# The measured forward first cuts finer only the units above budget / this (cutting adds resident
-# parts, so it is done where the budget needs it: a measured forward that is stopped cuts more).
-MEASURE_SLOT_SHARE = 1
 
 
 def verify_from_env() -> bool:
@@ -200,7 +198,7 @@ class Engine:
         """The measured forward, within the budget: (output, stats, measurements by whole unit).
         Stopped before passing the budget, it is run again with the slot cut finer."""
         budget = self.config.budget_bytes
-        cap = max(1, budget // MEASURE_SLOT_SHARE)
+        cap = budget
         last: int | None = None
         while True:
             base = self._measuring_plan(cap)
@@ -222,11 +220,13 @@ class Engine:
     def _weights_error(self, base: Plan, e: OverBudget) -> BudgetError:
         budget = self.config.budget_bytes
         w = self.executor.unit_device_bytes(e.unit)
-        need = base.resident_bytes + w + self.executor._act_seen
+        need = base.resident_bytes + w + e.activation_bytes
         msg = (f"VRAM budget {fmt_bytes(budget)} is too small: unit '{e.unit}' needs {fmt_bytes(w)} of "
-               f"weights on the device, and this forward runs it")
-        return BudgetError(e.unit, need, budget, "cannot be cut finer", kind="weights",
-                           min_budget_bytes=need, message=msg)
+               f"weights on the device, and this forward runs it (cannot be cut finer); the smallest "
+               f"max_vram_gb that works for this shape is at least {gib_text(need)}")
+        err = BudgetError(e.unit, need, budget, kind="weights", message=msg)
+        err.min_budget_bytes = need  # a lower bound: the forward stopped at this unit
+        return err
 
     def _activations_error(self, base: Plan, e: OverBudget) -> BudgetError:
         budget = self.config.budget_bytes
@@ -234,12 +234,12 @@ class Engine:
         msg = (f"VRAM budget {fmt_bytes(budget)} is too small for this input shape: its activations "
                f"passed {fmt_bytes(e.activation_bytes)} in unit '{e.unit}' beside {fmt_bytes(w)} of weights "
                f"(cut as fine as they go), and the forward was stopped there")
-        msg += f"; the smallest max_vram_gb that works for this shape is above {gib_text(w + e.activation_bytes)}"
+        msg += f"; the smallest max_vram_gb that works for this shape is at least {gib_text(w + e.activation_bytes)}"
         err = BudgetError(e.unit or "?", w + e.activation_bytes, budget, kind="activations", message=msg)
         err.min_budget_bytes = w + e.activation_bytes  # a lower bound: the forward did not finish
         return err
 
-    def _measured_plan(self, base, meas: dict[str, UnitMeasurement]) -> Plan:
+    def _measured_plan(self, meas: dict[str, UnitMeasurement]) -> Plan:
         names = [u.name for u in self.unitset.units]
         entered = [n for n in meas if n in self._all]
         order = entered + [n for n in names if n not in meas]
@@ -296,7 +296,7 @@ class Engine:
             try:
                 out, stats, meas = self._guard(self._measure, fn, args, kwargs)
                 self.measurements[sig] = meas
-                plan = self._measured_plan(None, meas)
+                plan = self._measured_plan(meas)
             except BudgetError as e:
                 self._failed[sig] = e  # the same input will not fit next time either
                 raise
@@ -320,14 +320,9 @@ class Engine:
             ex = self.executor
             unit = ex.failed_unit
             where = "before any unit ran"
-            plan = self.last_plan if self.last_plan is not None else None
             if unit is not None:
-                where = f"in segment '{unit}'"
-                for p in (self._plans.get(self.last_signature), plan):
-                    seg = _segment_of(p, unit) if p is not None else None
-                    if seg is not None:
-                        where = f"in segment '{seg}'"
-                        break
+                seg = _segment_of(ex.failed_plan, unit) if ex.failed_plan is not None else None
+                where = f"in segment '{seg or unit}'"
             msg = (f"VRAMCut: out of memory {where}, with {fmt_bytes(ex.failed_device_bytes)} of weights on "
                    f"the device under a budget of {fmt_bytes(self.config.budget_bytes)} (all released; the "
                    f"model is unchanged): {e}")

@@ -159,6 +159,7 @@ class SegmentedExecutor:
         self._act_seen = 0
         self.failed_unit: str | None = None  # the unit that ran when the last forward raised
         self.failed_device_bytes = 0         # and the bytes the executor held then
+        self.failed_plan: Plan | None = None
         self._swapped: dict[str, dict[int, torch.Tensor]] = {}  # unit -> index -> host tensor
         self._events: list[tuple[object, object]] = []          # CUDA (start, end) copy events
         self._waits: list[tuple[object, object]] = []
@@ -228,7 +229,7 @@ class SegmentedExecutor:
             for h in global_hooks:
                 h.remove()
             if not ok:
-                self.failed_unit, self.failed_device_bytes = self._current, self.device_bytes
+                self.failed_unit, self.failed_device_bytes, self.failed_plan = self._current, self.device_bytes, plan
             if not ok or not self._holding:
                 self._remove_hooks()
             if self._meter is not None:
@@ -516,7 +517,7 @@ class SegmentedExecutor:
         copy is the master). ``swap`` points the unit's tensors at the slot right away."""
         if self.layout(name).nbytes > slot.buf.numel():
             # a measuring plan sizes its slot over the units that can fit: this one cannot
-            raise OverBudget("weights", name, self.unit_device_bytes(name), 0,
+            raise OverBudget("weights", name, self.unit_device_bytes(name), self._act_seen,
                              self._plan.budget_bytes if self._plan else 0)
         old = slot.copy.unit
         if old is not None:
