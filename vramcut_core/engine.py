@@ -361,7 +361,10 @@ class Engine:
             "stage": "measured" if plan.measured else "weights",
             "signature": describe_signature(sig) if sig else None,
             "warnings": list(plan.warnings),
-            "text": plan_to_text(plan, stats=self.stats if plan.measured else None),
+            "text": plan_to_text(plan, stats=self.stats if plan.measured else None) + "".join(
+                f"\nverify {r['signature']}: " + (f"could not run the unpatched forward ({r['error']})" if r["error"]
+                                                  else f"max |segmented - unpatched| = {r['max_abs_diff']:g}")
+                for r in self.verify_results),
             "plan": plan_to_json(plan, self.stats if plan.measured else None),
             "verify": list(self.verify_results),
         }

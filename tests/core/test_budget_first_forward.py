@@ -207,6 +207,7 @@ def test_verify_compares_each_new_shape_with_the_unpatched_forward(caplog):
     assert all(r["max_abs_diff"] == 0.0 and r["equal"] and r["error"] is None for r in eng.verify_results)
     assert sum("max |segmented - unpatched| = 0" in r.getMessage() for r in caplog.records) == 2
     assert eng.describe()["verify"] == eng.verify_results
+    assert eng.describe()["text"].count("max |segmented - unpatched| = 0") == 2
 
 
 def test_verify_is_off_by_default_and_on_with_the_environment_variable(monkeypatch):
