@@ -156,7 +156,7 @@ class SegmentedExecutor:
         self._hooks: list = []
         self._hooked: tuple[str, ...] | None = None
         self._limit: int | None = None      # measuring forward: stop before passing this many bytes
-        self._act_seen = 0
+        self._act_seen = self._cuda_peak = 0
         self.failed_unit: str | None = None  # the unit that ran when the last forward raised
         self.failed_device_bytes = 0         # and the bytes the executor held then
         self.failed_plan: Plan | None = None
@@ -197,7 +197,7 @@ class SegmentedExecutor:
         t0 = time.perf_counter()
         start_ev = end_ev = None
         self._limit = limit_bytes if measure else None
-        self._act_seen = self._input_bytes = 0
+        self._act_seen = self._input_bytes = self._cuda_peak = 0
         self.failed_unit = None
         self.peak_weight_bytes = self.device_bytes  # this forward's peak, not the executor's lifetime's
         global_hooks = []
@@ -564,6 +564,8 @@ class SegmentedExecutor:
             else:
                 m.calls += 1
                 m.entry_bytes = max(m.entry_bytes, live)
+            if self.cuda:  # the meter resets the allocator's peak per unit: keep the forward's
+                self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device))
             self._meter.reset_peak()
         if name not in self._resident_names:
             slot = self._slot_of(name)
@@ -666,7 +668,7 @@ class SegmentedExecutor:
         if start_ev is not None:
             total = start_ev.elapsed_time(end_ev) / 1e3
             stats.time_compute_s = max(0.0, total - stats.time_wait_s)
-        stats.peak_device_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        stats.peak_device_bytes = max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device)) - self._base
         self._waits.clear()
 
 
