@@ -111,6 +111,7 @@ def test_controlnet_on_patched_model_matches_unpatched(setup, max_vram, pack):
         cpos2, cneg2 = apply_controlnet(pos, neg, cn, image, vae)
         out = tm.sample(patched, cpos2, cneg2, LATENT, steps=3)
         assert torch.equal(out, ref), f"max diff {(out - ref).abs().max()}"
+        assert_peak_within_budget(payload["models"][0]["plan"])  # the run with the measured first step
         # the same conditioning objects sampled once already (hint cached on the ControlNet copy)
         assert torch.equal(tm.sample(patched, cpos, cneg, LATENT, steps=3), ref)
 
@@ -118,7 +119,6 @@ def test_controlnet_on_patched_model_matches_unpatched(setup, max_vram, pack):
         assert e["kind"] == "MODEL" and e["stage"] == "measured"
         assert e["plan"]["streamed_bytes_per_forward"] > 0, "the budget must make the model stream"
         assert e["plan"]["peak_bytes"] <= e["plan"]["budget_bytes"]
-        assert_peak_within_budget(e["plan"])
         # without the ControlNet the patched model still gives the plain result
         assert torch.equal(tm.sample(patched, pos, neg, LATENT, steps=3), plain)
         # and the unpatched model is unchanged
