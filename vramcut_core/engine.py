@@ -210,7 +210,8 @@ class Engine:
                 if e.kind == "weights":
                     raise self._weights_error(base, e) from None
                 held = base.resident_bytes + base.window_bytes
-                if base.slot_bytes == 0 or (last is not None and held >= last):
+                hopeless = base.resident_bytes + e.activation_bytes > budget  # no slot would help
+                if base.slot_bytes == 0 or hopeless or (last is not None and held >= last):
                     raise self._activations_error(base, e) from None
                 log.info("VRAMCut: measuring forward stopped before passing the budget in '%s' "
                          "(%s weights + %s activations); cutting the slot finer", e.unit,
