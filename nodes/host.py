@@ -91,6 +91,9 @@ class Settings:
                 b = min(b, int(self.max_vram_gb * GIB))
             if b <= 0:
                 raise VRAMCutError(f"free VRAM {fmt_bytes(free)} minus reserve {self.reserve_gb} GiB leaves no budget")
+        if b <= 0 and self.budget_mode == "fixed" and self.max_vram_gb > 0:
+            raise VRAMCutError(f"max_vram_gb = {self.max_vram_gb:g} is less than one byte: give the budget in "
+                               f"GiB (6 means 6 GiB), or 0 to turn VRAMCut off")
         if b <= 0:
             raise VRAMCutError("the budget must be positive (0 turns VRAMCut off)")
         return b
@@ -111,7 +114,8 @@ class NodeReport:
         # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
         d["plan"]["cost"] = cost_to_json(d["plan"], bandwidth.host_to_device(engine.config.device))
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
-                 "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"]}
+                 "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
+                 "verify": d.get("verify") or []}
         if kind in self._index:
             self.payload["models"][self._index[kind]] = entry
         else:
@@ -211,8 +215,9 @@ class PatchState:
 
     def run(self, engine: Engine, fn, *args, sig=None, patcher=None, **kwargs):
         """Run through the engine, merging ``patcher``'s weight patches into each unit's device
-        copy as it arrives; a budget that cannot hold this call becomes an OOM error, so that
-        the host's own fallbacks apply."""
+        copy as it arrives. A budget that cannot hold this call is a plain error naming what does
+        not fit and the smallest budget; it becomes an OOM error only where the host has a
+        fallback that makes the call smaller (tiled VAE, smaller upscale tiles)."""
         merge = DeviceMerge.for_call(patcher, engine.module)
         key = merge.key if merge is not None else None
         if self._patches.get(engine, key) != key and not engine.executor.running:
@@ -225,10 +230,41 @@ class PatchState:
                     return engine.run(fn, *args, **kwargs)
                 return engine.run_as(sig, fn, *args, **kwargs)
         except BudgetError as e:
-            self.report.fail(str(e), e)
-            raise VRAMCutOOM(f"VRAMCut: {e}") from e
+            fallback = _host_fallback(self.kind, fn, args)
+            if fallback is False and self.kind == "VAE":
+                msg = (f"VRAMCut: {e}. ComfyUI's tiled fallback would run this VAE call at the same size "
+                       f"(the input is no larger than one tile), so it cannot help: raise max_vram_gb")
+            else:
+                msg = f"VRAMCut: {e}"
+            self.report.fail(msg, e)
+            if fallback:
+                raise VRAMCutOOM(msg) from e
+            raise VRAMCutError(msg) from e
+        except torch.OutOfMemoryError as e:
+            self.report.fail(str(e))
+            raise
         finally:
             engine.executor.on_loaded = None
+
+
+# The tile sizes ComfyUI's VAE falls back to after an out-of-memory error (latent units for a
+# decode, pixels for an encode): a call no larger than a tile would be run again at full size.
+_VAE_TILE = {"decode": 64, "encode": 512}
+
+
+def _host_fallback(kind: str, fn, args) -> bool | None:
+    """Whether the host retries this call smaller after an out-of-memory error: True (upscale
+    tiles; a VAE call larger than a tile), False (a VAE call the tiles would not shrink), None
+    (no fallback: sampling, text encoders, CLIP vision)."""
+    if kind == "UPSCALE_MODEL":
+        return True
+    if kind != "VAE":
+        return None
+    tile = _VAE_TILE.get(getattr(fn, "__name__", ""))
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if tile is None or x is None or x.ndim < 4:
+        return True
+    return max(x.shape[-2:]) > tile
 
 
 def _string_to_seed(key: str) -> int:

@@ -1,26 +1,48 @@
 """The engine: one module under one budget.
 
 ``Engine.run(fn, *args, **kwargs)`` runs a forward of the module segmented. The first forward
-for an input signature is the measured one: every unit streams through one slot (the smallest
-footprint there is) while the activation meter records each unit's live bytes; from that, the
-merged plan for the signature is built and cached. Later forwards with the same signature reuse
-it, so a sampling run plans once; a new resolution or batch plans again.
+for an input signature is the measured one: every unit streams through one slot while the
+activation meter records each unit's live bytes; from that, the merged plan for the signature is
+built and cached. Later forwards with the same signature reuse it, so a sampling run plans once;
+a new resolution or batch plans again.
+
+The one rule: the measured forward stays within the budget too. It starts with the units cut
+only as far as the budget needs for weights alone (cutting adds resident parts, so it is not done
+for nothing); the executor stops it the moment weights plus live activations would pass the
+budget, and the engine then cuts every unit of the slot's size finer and measures again, for as
+long as that lowers the weights it holds. When it cannot, a ``BudgetError`` names what does not
+fit and the smallest budget that works.
+
+With ``VRAMCUT_VERIFY=1`` in the environment (or ``EngineConfig(verify=True)``) the first forward
+of each new shape is run a second time unpatched on the same inputs and the largest absolute
+difference is logged and kept in ``Engine.verify_results``.
 """
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
+import os
 from typing import Callable
 
+import torch
 from torch import nn
 
 from . import quant
 from .executor import SegmentedExecutor
-from .measure import UnitMeasurement, describe_signature, signature
-from .plan import BudgetError, Plan, PlanOptions, PlanUnit, make_plan
+from .measure import OverBudget, UnitMeasurement, describe_signature, signature
+from .plan import BudgetError, Plan, PlanOptions, PlanUnit, budget_error, gib_text, make_plan, measuring_plan
 from .report import RunStats, plan_to_json, plan_to_text
-from .tensors import is_plain_tensor
+from .tensors import fmt_bytes, is_plain_tensor
 from .units import Unit, find_units, split_unit
+
+log = logging.getLogger("vramcut")
+
+VERIFY_ENV = "VRAMCUT_VERIFY"
+
+
+def verify_from_env() -> bool:
+    return os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +55,7 @@ class EngineConfig:
     pinned: tuple[str, ...] = ()     # unit name patterns that must stay resident
     track_cpu_memory: bool = False   # measure activations on every CPU forward, not only the first
     pin_memory: bool = True          # page-lock host masters (CUDA); off: plain pageable copies
+    verify: bool = dataclasses.field(default_factory=verify_from_env)  # compare first forwards with unpatched
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
@@ -61,11 +84,13 @@ class Engine:
         self.last_signature: tuple | None = None
         self.stats = RunStats()
         self.last_stats: RunStats | None = None
+        self.verify_results: list[dict] = []
 
     # -- units -----------------------------------------------------------------------------
 
     def _reset_units(self) -> None:
         self._all = {u.name: u for u in self.unitset.units}
+        self._parent: dict[str, str] = {}  # a part of a finer cut -> the unit it was cut from
         for u in self.unitset.units:
             if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.pinned):
                 u.pinned = True
@@ -107,11 +132,12 @@ class Engine:
         parent = meas.get(name) if meas else None
         for p in parts:
             self._all[p.name] = p
+            self._parent.setdefault(p.name, name)
             if meas is None or parent is None:
                 continue
             # A part needs at most what the whole unit needed, and it ran only if one of its
             # modules did (a VAE decode runs one convolution of a unit that holds the encoder).
-            if p.pinned or not parent.modules or any(id(m) in parent.modules for m in p.hook_modules):
+            if p.pinned or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
                 meas[p.name] = parent
         return [self._plan_unit(p, meas) for p in parts]
 
@@ -131,13 +157,99 @@ class Engine:
         return make_plan(units, self.config.budget_bytes, options or self.config.options,
                          lambda n: self._split(n, None), self.unitset.warnings)
 
-    def _measuring_plan(self) -> Plan:
-        """The smallest footprint there is, for the measured forward: one slot, nothing resident
-        but what must be."""
-        return self.weight_plan(PlanOptions(prefetch=False, residency=False))
+    def _measuring_plan(self, cap: int) -> Plan:
+        """The plan of the measured forward: one slot, nothing resident but what must be, every
+        unit larger than ``cap`` bytes cut finer where it can be. The slot is sized over the units
+        that can fit at all (a unit too large is only a problem if the forward enters it)."""
+        budget = self.config.budget_bytes
+        todo = [self._plan_unit(u, None) for u in reversed(self.unitset.units)]
+        units: list[PlanUnit] = []
+        split: list[str] = []
+        while todo:
+            u = todo.pop()
+            if not u.pinned and u.weight_bytes > cap:
+                parts = self._split(u.name, None)
+                if parts:
+                    split.append(u.name)
+                    todo.extend(reversed(parts))
+                    continue
+            units.append(u)
+        pinned = sum(u.weight_bytes for u in units if u.pinned)
+        if pinned > budget:
+            raise budget_error(units, None, budget, "it must stay resident")
+        slot = max((u.weight_bytes for u in units if not u.pinned and u.weight_bytes <= budget - pinned),
+                   default=0)
+        return measuring_plan(units, budget, slot, split, self.unitset.warnings)
 
-    def _measured_plan(self, base: Plan, meas: dict[str, UnitMeasurement]) -> Plan:
-        names = [u.name for u in base.units]
+    def _top(self, name: str) -> str:
+        while name in self._parent:
+            name = self._parent[name]
+        return name
+
+    def _aggregate(self, meas: dict[str, UnitMeasurement]) -> dict[str, UnitMeasurement]:
+        """Measurements of the parts of a finer cut, as the units they were cut from (in the
+        order the forward entered them): the plan starts from whole units and cuts again only
+        where the budget needs it."""
+        out: dict[str, UnitMeasurement] = {}
+        for n, m in meas.items():
+            t = self._top(n)
+            a = out.get(t)
+            if a is None:
+                out[t] = UnitMeasurement(m.entry_bytes, m.peak_bytes, m.calls, m.modules)
+            else:
+                a.peak_bytes = max(a.peak_bytes, m.peak_bytes)
+                a.calls = max(a.calls, m.calls)
+                a.modules = a.modules | m.modules
+        return out
+
+    def _measure(self, fn: Callable, args: tuple, kwargs: dict):
+        """The measured forward, within the budget: (output, stats, measurements by whole unit).
+        Stopped before passing the budget, it is run again with the slot cut finer."""
+        budget = self.config.budget_bytes
+        cap = budget
+        last: int | None = None
+        while True:
+            base = self._measuring_plan(cap)
+            try:
+                out, stats, meas = self.executor.forward(base, fn, *args, measure=True,
+                                                         limit_bytes=budget, **kwargs)
+                return out, stats, self._aggregate(meas)
+            except OverBudget as e:
+                if e.kind == "weights":
+                    raise self._weights_error(base, e) from None
+                held = base.resident_bytes + base.window_bytes
+                hopeless = base.resident_bytes + e.activation_bytes > budget  # no slot would help
+                if base.slot_bytes == 0 or hopeless or (last is not None and held >= last):
+                    raise self._activations_error(base, e) from None
+                log.info("VRAMCut: measuring forward stopped before passing the budget in '%s' "
+                         "(%s weights + %s activations); cutting the slot finer", e.unit,
+                         fmt_bytes(e.weight_bytes), fmt_bytes(e.activation_bytes))
+                last, cap = held, base.slot_bytes - 1  # cut every unit of the slot's size
+
+    def _weights_error(self, base: Plan, e: OverBudget) -> BudgetError:
+        budget = self.config.budget_bytes
+        w = self.executor.unit_device_bytes(e.unit)
+        need = base.resident_bytes + w + e.activation_bytes
+        msg = (f"VRAM budget {fmt_bytes(budget)} is too small: unit '{e.unit}' needs {fmt_bytes(w)} of "
+               f"weights on the device, and this forward runs it (cannot be cut finer); the smallest "
+               f"max_vram_gb that works for this shape is at least {gib_text(need)}")
+        err = BudgetError(e.unit, need, budget, kind="weights", message=msg)
+        err.min_budget_bytes = need  # a lower bound: the forward stopped at this unit
+        return err
+
+    def _activations_error(self, base: Plan, e: OverBudget) -> BudgetError:
+        budget = self.config.budget_bytes
+        w = base.resident_bytes + base.window_bytes
+        msg = (f"VRAM budget {fmt_bytes(budget)} is too small for this input shape: its activations "
+               f"passed {fmt_bytes(e.activation_bytes)} in unit '{e.unit}' beside {fmt_bytes(w)} of weights "
+               f"(cut as fine as they go), and the forward was stopped there")
+        msg += f"; the smallest max_vram_gb that works for this shape is at least {gib_text(w + e.activation_bytes)}"
+        err = BudgetError(e.unit or "?", w + e.activation_bytes, budget, kind="activations", message=msg)
+        err.min_budget_bytes = w + e.activation_bytes  # a lower bound: the forward did not finish
+        return err
+
+    def _measured_plan(self, meas: dict[str, UnitMeasurement]) -> Plan:
+        names = [u.name for u in self.unitset.units]
         entered = [n for n in meas if n in self._all]
         order = entered + [n for n in names if n not in meas]
         split = lambda n: self._split(n, meas)  # noqa: E731
@@ -211,22 +323,55 @@ class Engine:
             raise failed
         plan = self._plans.get(sig)
         if plan is None:
-            base = self._measuring_plan()
-            out, stats, meas = self.executor.forward(base, fn, *args, measure=True, **kwargs)
-            self.measurements[sig] = meas
             try:
-                plan = self._measured_plan(base, meas)
+                out, stats, meas = self._guard(self._measure, fn, args, kwargs)
+                self.measurements[sig] = meas
+                plan = self._measured_plan(meas)
             except BudgetError as e:
                 self._failed[sig] = e  # the same input will not fit next time either
                 raise
+            if self.config.verify:
+                self._verify(sig, out, fn, args, kwargs)
             self._plans[sig] = plan
             self._record(plan, sig, stats)
             if self.on_plan is not None:
                 self.on_plan(self, plan, sig)
             return out
-        out, stats, _ = self.executor.forward(plan, fn, *args, **kwargs)
+        out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
         self._record(plan, sig, stats)
         return out
+
+    def _guard(self, run: Callable, fn: Callable, args: tuple, kwargs: dict):
+        """``run(fn, args, kwargs)``; a real out-of-memory error inside it comes out naming the
+        segment that ran and the bytes the executor held (it has released them by then)."""
+        try:
+            return run(fn, args, kwargs)
+        except torch.OutOfMemoryError as e:
+            ex = self.executor
+            unit = ex.failed_unit
+            where = "before any unit ran"
+            if unit is not None:
+                seg = _segment_of(ex.failed_plan, unit) if ex.failed_plan is not None else None
+                where = f"in segment '{seg or unit}'"
+            msg = (f"VRAMCut: out of memory {where}, with {fmt_bytes(ex.failed_device_bytes)} of weights on "
+                   f"the device under a budget of {fmt_bytes(self.config.budget_bytes)} (all released; the "
+                   f"model is unchanged): {e}")
+            raise torch.OutOfMemoryError(msg) from e
+
+    def _verify(self, sig: tuple, out, fn: Callable, args: tuple, kwargs: dict) -> None:
+        """Run ``fn`` unpatched on the same inputs and record the largest |difference|."""
+        res = {"signature": describe_signature(sig), "max_abs_diff": None, "equal": None, "error": None}
+        try:
+            ref = fn(*args, **kwargs)
+            res["max_abs_diff"], res["equal"] = _max_abs_diff(out, ref)
+        except Exception as e:  # verification must never break the run it checks
+            res["error"] = f"{type(e).__name__}: {e}"
+        self.verify_results.append(res)
+        if res["error"]:
+            log.warning("VRAMCut verify (%s): the unpatched forward could not run: %s", res["signature"], res["error"])
+        else:
+            log.warning("VRAMCut verify (%s): max |segmented - unpatched| = %g (%s)", res["signature"],
+                        res["max_abs_diff"], "bit-equal" if res["equal"] else "differs")
 
     def reset_stats(self) -> None:
         self.stats = RunStats()
@@ -246,9 +391,49 @@ class Engine:
             "stage": "measured" if plan.measured else "weights",
             "signature": describe_signature(sig) if sig else None,
             "warnings": list(plan.warnings),
-            "text": plan_to_text(plan, stats=self.stats if plan.measured else None),
+            "text": plan_to_text(plan, stats=self.stats if plan.measured else None) + "".join(
+                f"\nverify {r['signature']}: " + (f"could not run the unpatched forward ({r['error']})" if r["error"]
+                                                  else f"max |segmented - unpatched| = {r['max_abs_diff']:g}")
+                for r in self.verify_results),
             "plan": plan_to_json(plan, self.stats if plan.measured else None),
+            "verify": list(self.verify_results),
         }
+
+
+def _subtree(u: Unit) -> list[nn.Module]:
+    """Every module of a unit (its roots' submodules and the owners of its tensors)."""
+    mods = list(u.hook_modules)
+    for _, m in u.roots:
+        mods.extend(m.modules())
+    return mods
+
+
+def _segment_of(plan: Plan, unit: str) -> str | None:
+    for seg in plan.segments:
+        if any(plan.units[i].name == unit for i in seg.units):
+            return plan.segment_name(seg)
+    return None
+
+
+def _max_abs_diff(out, ref) -> tuple[float, bool]:
+    """Largest |out - ref| over the tensors of two outputs of the same structure."""
+    from torch.utils._pytree import tree_flatten
+
+    a, _ = tree_flatten(out)
+    b, _ = tree_flatten(ref)
+    ta = [x for x in a if isinstance(x, torch.Tensor)]
+    tb = [x for x in b if isinstance(x, torch.Tensor)]
+    if len(ta) != len(tb):
+        return float("inf"), False
+    worst, equal = 0.0, True
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape:
+            return float("inf"), False
+        equal = equal and torch.equal(x, y.to(x.device))
+        if x.numel():
+            d = (x.double() - y.to(x.device).double()).abs().max().item()
+            worst = max(worst, d if d == d else float("inf"))
+    return worst, equal
 
 
 __all__ = ["Engine", "EngineConfig", "BudgetError"]

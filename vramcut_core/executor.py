@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .measure import CPUMeter, CUDAMeter, Meter, UnitMeasurement
+from .measure import CPUMeter, CUDAMeter, Meter, OverBudget, UnitMeasurement
 from .plan import Plan
 from .report import RunStats
 from . import quant
@@ -305,6 +305,11 @@ class SegmentedExecutor:
         self._entered_modules: set[int] = set()
         self._hooks: list = []
         self._hooked: tuple[str, ...] | None = None
+        self._limit: int | None = None      # measuring forward: stop before passing this many bytes
+        self._act_seen = self._cuda_peak = 0
+        self.failed_unit: str | None = None  # the unit that ran when the last forward raised
+        self.failed_device_bytes = 0         # and the bytes the executor held then
+        self.failed_plan: Plan | None = None
         self._swapped: dict[str, dict[int, torch.Tensor]] = {}  # unit -> index -> host tensor
         self._events: list[tuple[object, object]] = []          # CUDA (start, end) copy events
         self._waits: list[tuple[object, object]] = []
@@ -346,11 +351,15 @@ class SegmentedExecutor:
             if not self._holding and not self._running:
                 self.release()
 
-    def forward(self, plan: Plan, fn: Callable, *args, measure: bool = False, **kwargs):
+    def forward(self, plan: Plan, fn: Callable, *args, measure: bool = False,
+                limit_bytes: int | None = None, **kwargs):
         """Run ``fn(*args, **kwargs)`` (a forward of the module) under ``plan``.
 
         Returns ``(output, stats, measurements)``; measurements (per unit, activation bytes) only
-        when ``measure`` is true, else None.
+        when ``measure`` is true, else None. With ``limit_bytes`` (measuring forwards) the forward
+        is stopped with ``OverBudget`` as soon as weights on the device plus live activations
+        pass it (on CPU at the allocation that would pass it; on CUDA at the next module call),
+        or when it enters a unit larger than the plan's slot.
         """
         if self._running:
             raise RuntimeError("SegmentedExecutor.forward is not re-entrant")
@@ -360,6 +369,11 @@ class SegmentedExecutor:
         ok = False
         t0 = time.perf_counter()
         start_ev = end_ev = None
+        self._limit = limit_bytes if measure else None
+        self._act_seen = self._input_bytes = self._cuda_peak = 0
+        self.failed_unit = None
+        self.peak_weight_bytes = self.device_bytes  # this forward's peak, not the executor's lifetime's
+        global_hooks = []
         try:
             self._release_others()
             if self.cuda:
@@ -384,10 +398,19 @@ class SegmentedExecutor:
             if self._meter is not None:
                 self._meter.start()
             self._install_hooks(plan)
+            if self.cuda and self._limit is not None:
+                # the allocator cannot call back: check between module calls while measuring
+                check = lambda *_a: self._check_live()  # noqa: E731
+                global_hooks = [nn.modules.module.register_module_forward_pre_hook(check),
+                                nn.modules.module.register_module_forward_hook(check)]
             out = fn(*args, **kwargs)
             ok = True
             return out, stats, self._finish_measure()
         finally:
+            for h in global_hooks:
+                h.remove()
+            if not ok:
+                self.failed_unit, self.failed_device_bytes, self.failed_plan = self._current, self.device_bytes, plan
             if not ok or not self._holding:
                 self._remove_hooks()
             if self._meter is not None:
@@ -412,10 +435,11 @@ class SegmentedExecutor:
                         (m.peak_bytes for m in self._meas.values()), default=0)
             finally:
                 self._meter = None
+                self._limit = None
                 self._running = False
                 self._plan = None
-                if not self._holding:
-                    self.release()
+                if not ok or not self._holding:
+                    self.release()  # after an error (out of memory included) nothing stays on the device
 
     @property
     def _holding(self) -> bool:
@@ -484,6 +508,19 @@ class SegmentedExecutor:
     def _account(self, delta: int) -> None:
         self.device_bytes += delta
         self.peak_weight_bytes = max(self.peak_weight_bytes, self.device_bytes)
+        if delta > 0 and self._limit is not None:
+            self._check_live()
+
+    def _check_live(self, live: int | None = None) -> None:
+        """Measuring forward: stop before weights plus activations pass the limit."""
+        if self._limit is None or not self._running:
+            return
+        if live is None:
+            m = self._meter
+            live = 0 if m is None else (max(m.live(), m.peak()) if self.cuda else m.live())
+        self._act_seen = max(self._act_seen, live + self._input_bytes)
+        if self.peak_weight_bytes + self._act_seen > self._limit:
+            raise OverBudget("activations", self._current, self.peak_weight_bytes, self._act_seen, self._limit)
 
     def layout(self, name: str) -> _Layout:
         lay = self._layouts.get(name)
@@ -539,7 +576,8 @@ class SegmentedExecutor:
         for s in self._slots:
             if s.copy.unit is not None:
                 self._swap_in(s.copy.unit, s.copy)
-        if order and plan.slots and self._slot_of(order[0]) is None:
+        if (order and plan.slots and self._slot_of(order[0]) is None
+                and self.layout(order[0]).nbytes <= plan.slot_bytes):  # a measuring slot may not hold it
             self._load_into_slot(order[0], self._slots[0], sync=not self.cuda)
 
     def _free_unkept(self, resident: set, plan: Plan) -> bool:
@@ -747,6 +785,10 @@ class SegmentedExecutor:
     def _load_into_slot(self, name: str, slot: _Slot, sync: bool, swap: bool = True) -> None:
         """Copy a unit into a slot, evicting what it held (nothing is copied back: the host
         copy is the master). ``swap`` points the unit's tensors at the slot right away."""
+        if self.layout(name).nbytes > slot.buf.numel():
+            # a measuring plan sizes its slot over the units that can fit: this one cannot
+            raise OverBudget("weights", name, self.unit_device_bytes(name), self._act_seen,
+                             self._plan.budget_bytes if self._plan else 0)
         old = slot.copy.unit
         if old is not None:
             self._swap_out(old)
@@ -792,6 +834,8 @@ class SegmentedExecutor:
             else:
                 m.calls += 1
                 m.entry_bytes = max(m.entry_bytes, live)
+            if self.cuda:  # the meter resets the allocator's peak per unit: keep the forward's
+                self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device))
             self._meter.reset_peak()
         if name not in self._resident_names:
             slot = self._slot_of(name)
@@ -871,7 +915,7 @@ class SegmentedExecutor:
         if self.cuda:
             return CUDAMeter(self.device, self._own_bytes_relative) if measure else None
         if measure or self.track_cpu_memory:
-            return CPUMeter()
+            return CPUMeter(check=self._check_live if self._limit is not None else None)
         return None
 
     def _own_bytes_relative(self) -> int:
@@ -902,7 +946,8 @@ class SegmentedExecutor:
         if self._reset_peak:
             # a peak read needs this forward's kernels done (only measured or switching forwards)
             end_ev.synchronize()
-            stats.peak_device_bytes = max(torch.cuda.max_memory_allocated(self.device) - self._base,
+            # the meter resets the allocator's peak per unit: the forward's peak is the largest seen
+            stats.peak_device_bytes = max(max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device)) - self._base,
                                           torch.cuda.max_memory_reserved(self.device) - self._base_reserved)
         done, pending = [], []
         for pair in self._events:

@@ -75,6 +75,20 @@ class UnitMeasurement:
         return max(0, self.peak_bytes - self.entry_bytes)
 
 
+class OverBudget(RuntimeError):
+    """Stops a measuring forward before it passes the budget (the engine re-plans or explains).
+
+    ``kind`` is "weights" (a unit the forward entered is larger than the measuring slot) or
+    "activations" (weights on the device plus live activation bytes would pass the budget)."""
+
+    def __init__(self, kind: str, unit: str | None, weight_bytes: int, activation_bytes: int,
+                 budget_bytes: int) -> None:
+        self.kind, self.unit = kind, unit
+        self.weight_bytes, self.activation_bytes, self.budget_bytes = weight_bytes, activation_bytes, budget_bytes
+        super().__init__(f"{kind} over budget in unit {unit!r}: weights {weight_bytes} B + "
+                         f"activations {activation_bytes} B > {budget_bytes} B")
+
+
 class Meter:
     """Live and peak activation bytes. Subclasses read them from a backend."""
 
@@ -111,6 +125,7 @@ class _LiveBytesMode(TorchDispatchMode):
         self.peak = 0
         self._seen: set[int] = set()
         self._ignored: set[int] = set()
+        self.check = None  # called with the live bytes after each new storage (may raise)
 
     def ignore(self, t: torch.Tensor) -> None:
         self._ignored.add(t.untyped_storage().data_ptr())
@@ -132,6 +147,8 @@ class _LiveBytesMode(TorchDispatchMode):
             self.live += n
             self.peak = max(self.peak, self.live)
             weakref.finalize(st, self._freed, ptr, n)
+            if self.check is not None:
+                self.check(self.live)
         return out
 
     def _freed(self, ptr: int, n: int) -> None:
@@ -156,14 +173,16 @@ class _PlainAlias(TorchFunctionMode):
 class CPUMeter(Meter):
     """Live tensor bytes on CPU, tracked per operator (slow; used for measured forwards)."""
 
-    def __init__(self) -> None:
+    def __init__(self, check=None) -> None:
         self._mode: _LiveBytesMode | None = None
         self._alias: _PlainAlias | None = None
+        self._check = check  # called with the live bytes at every new storage (may raise)
 
     def start(self) -> None:
         self._alias = _PlainAlias()
         self._alias.__enter__()
         self._mode = _LiveBytesMode()
+        self._mode.check = self._check
         self._mode.__enter__()
 
     def stop(self) -> None:

@@ -24,15 +24,25 @@ from typing import Callable, Sequence
 
 
 class BudgetError(ValueError):
-    """No plan fits the budget, even with every unit cut as fine as it goes."""
+    """No plan fits the budget, even with every unit cut as fine as it goes.
 
-    def __init__(self, unit: str, need_bytes: int, budget_bytes: int, detail: str = "") -> None:
+    ``kind`` says what does not fit: "weights" (a unit that cannot be cut finer, or what must stay
+    resident) or "activations" (the live activation bytes of this input shape);
+    ``min_budget_bytes`` is the smallest budget that works for this shape, where known."""
+
+    def __init__(self, unit: str, need_bytes: int, budget_bytes: int, detail: str = "", *,
+                 kind: str = "weights", min_budget_bytes: int | None = None,
+                 message: str | None = None) -> None:
         from .tensors import fmt_bytes
 
         self.unit, self.need_bytes, self.budget_bytes = unit, need_bytes, budget_bytes
-        msg = (f"VRAM budget {fmt_bytes(budget_bytes)} is too small: unit '{unit}' needs "
-               f"{fmt_bytes(need_bytes)} on the device")
-        super().__init__(msg + (f" ({detail})" if detail else ""))
+        self.kind, self.min_budget_bytes = kind, min_budget_bytes
+        msg = message or (f"VRAM budget {fmt_bytes(budget_bytes)} is too small: unit '{unit}' needs "
+                          f"{fmt_bytes(need_bytes)} on the device")
+        msg += f" ({detail})" if detail else ""
+        if min_budget_bytes is not None:
+            msg += f"; the smallest max_vram_gb that works for this shape is about {gib_text(min_budget_bytes)}"
+        super().__init__(msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +133,33 @@ class _Infeasible(Exception):
         self.index, self.need = index, need
 
 
+def _tightest(units: Sequence[PlanUnit]) -> tuple[int, int, int]:
+    """(what must stay resident, one slot, activations): the smallest footprint of ``units``."""
+    pinned = sum(u.weight_bytes for u in units if u.pinned)
+    slot = max((u.weight_bytes for u in units if not u.pinned and u.entered), default=0)
+    return pinned, slot, activation_reserve(units)
+
+
+def budget_error(units: Sequence[PlanUnit], index: int | None, budget: int, detail: str = "") -> BudgetError:
+    """The error for ``units`` (cut as fine as they go) not fitting ``budget``: names what does not
+    fit (activations or weights) and the smallest budget that works for this shape."""
+    from .tensors import fmt_bytes
+
+    pinned, slot, act = _tightest(units)
+    need = pinned + slot + act
+    measured = all(u.peak_bytes is not None for u in units)
+    name = units[index].name if index is not None else "pinned units"
+    if measured and act > pinned + slot:
+        unit = max(units, key=lambda u: u.peak_bytes or 0).name
+        msg = (f"VRAM budget {fmt_bytes(budget)} is too small for this input shape: its activations need "
+               f"{fmt_bytes(act)} (unit '{unit}'), beside {fmt_bytes(pinned + slot)} of weights")
+        return BudgetError(unit, need, budget, kind="activations", min_budget_bytes=need, message=msg)
+    msg = (f"VRAM budget {fmt_bytes(budget)} is too small: unit '{name}' needs "
+           f"{fmt_bytes(units[index].weight_bytes if index is not None else pinned)} of weights on the device"
+           + (f", {fmt_bytes(need)} with what must stay resident and the activations" if measured else ""))
+    return BudgetError(name, need, budget, detail, kind="weights", min_budget_bytes=need, message=msg)
+
+
 def _priority(units: Sequence[PlanUnit]) -> list[int]:
     return sorted(range(len(units)), key=lambda i: (not units[i].pinned, not units[i].entered,
                                                   -units[i].weight_bytes, i))
@@ -141,11 +178,12 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
     n_pinned = sum(1 for u in units if u.pinned)
     # suffix max of weights in priority order: the slot size when the first k are resident
     suffix = [0] * (n + 1)
-    for j in range(n - 1, -1, -1):
-        suffix[j] = max(suffix[j + 1], units[order[j]].weight_bytes)
     prefix = [0] * (n + 1)
     for j in range(n):
         prefix[j + 1] = prefix[j] + units[order[j]].weight_bytes
+
+    for j in range(n - 1, -1, -1):  # a unit the forward never enters is never loaded: no slot for it
+        suffix[j] = max(suffix[j + 1], units[order[j]].weight_bytes if units[order[j]].entered else 0)
 
     def need(k: int, slots: int) -> int:
         s = suffix[k]
@@ -166,7 +204,7 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
             big = max(range(n), key=lambda i: (units[i].pinned, units[i].weight_bytes))
             raise _Infeasible(big if units[big].pinned else None, prefix[n_pinned] + act)
         streamed = order[n_pinned:]
-        big = max(streamed, key=lambda i: units[i].weight_bytes)
+        big = max(streamed, key=lambda i: (units[i].entered, units[i].weight_bytes))
         raise _Infeasible(big, need(n_pinned, 1))
     resident = set(order[:best])
     return resident, (slots if best < n else 0), suffix[best]
@@ -204,6 +242,35 @@ def build_plan(units: Sequence[PlanUnit], budget: int, options: PlanOptions = Pl
     return Plan(budget, tuple(units), tuple(segs), slots, slot_bytes, measured, tuple(split), tuple(notes))
 
 
+def measuring_plan(units: Sequence[PlanUnit], budget: int, slot_bytes: int, split: Sequence[str] = (),
+                   warnings: Sequence[str] = ()) -> Plan:
+    """The plan of a measuring forward: pinned units resident, every other unit streamed through
+    one slot of ``slot_bytes``, nothing prefetched. Units larger than the slot stay in the plan
+    (a forward that never enters them never needs them); the executor stops a forward that
+    enters one."""
+    segs: list[Segment] = []
+    run: list[int] = []
+    resident = sum(u.weight_bytes for u in units if u.pinned)
+    streams = any(not u.pinned for u in units)
+    fixed = resident + (slot_bytes if streams else 0)
+
+    def seg_of(idx: list[int], res: bool) -> Segment:
+        return Segment(tuple(idx), res, sum(units[i].weight_bytes for i in idx), None, fixed)
+
+    for i, u in enumerate(units):
+        if u.pinned:
+            run.append(i)
+            continue
+        if run:
+            segs.append(seg_of(run, True))
+            run = []
+        segs.append(seg_of([i], False))
+    if run:
+        segs.append(seg_of(run, True))
+    return Plan(budget, tuple(units), tuple(segs), 1 if streams else 0, slot_bytes if streams else 0,
+                False, tuple(split), tuple(warnings))
+
+
 def make_plan(units: list[PlanUnit], budget: int, options: PlanOptions = PlanOptions(),
               split_unit: Callable[[str], list[PlanUnit] | None] | None = None,
               warnings: Sequence[str] = ()) -> Plan:
@@ -221,13 +288,20 @@ def make_plan(units: list[PlanUnit], budget: int, options: PlanOptions = PlanOpt
             if e.index is not None and split_unit is not None and not units[e.index].pinned:
                 parts = split_unit(units[e.index].name)
             if not parts:
-                name = units[e.index].name if e.index is not None else "pinned units"
                 detail = "cannot be cut finer"
-                if e.index is not None and units[e.index].pinned:
+                if e.index is None or units[e.index].pinned:
                     detail = "it must stay resident"
-                raise BudgetError(name, e.need, budget, detail) from None
+                raise budget_error(units, e.index, budget, detail) from None
             split.append(units[e.index].name)
             units[e.index:e.index + 1] = parts
+
+
+def gib_text(n: int) -> str:
+    """A byte count as GiB for a ``max_vram_gb`` input: rounded up, enough digits to matter."""
+    v = n / 1024**3
+    if v >= 0.01:
+        return f"{math.ceil(v * 1000) / 1000:.3f}"
+    return f"{v:.3g}"
 
 
 def gib_to_bytes(gib) -> int:

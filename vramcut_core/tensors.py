@@ -60,4 +60,6 @@ def fmt_bytes(n: int | None) -> str:
         return f"{n / GIB:.2f} GiB"
     if abs(n) >= MIB:
         return f"{n / MIB:.1f} MiB"
+    if abs(n) < 1024:
+        return f"{n} B"
     return f"{n / 1024:.1f} KiB"

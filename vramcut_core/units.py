@@ -423,8 +423,14 @@ def split_unit(unit: Unit) -> list[Unit] | None:
         direct: list[UnitTensor] = []
     else:
         qual, root = unit.roots[0]
-        parts = [(f"{qual}.{k}", [(f"{qual}.{k}", c)]) for k, c in root.named_children()
-                 if c is not None and _has_tensors(c)]
+        while True:
+            parts = [(f"{qual}.{k}", [(f"{qual}.{k}", c)]) for k, c in root.named_children()
+                     if c is not None and _has_tensors(c)]
+            if len(parts) != 1 or any(True for _ in _direct_tensors(qual, root)):
+                break
+            # one child holds every tensor (a down block whose only child is its ModuleList of
+            # blocks): cut that child instead
+            qual, root = parts[0][1][0]
         if not parts:
             return None
         direct_ids = {id(t) for _, t in _direct_tensors(qual, root)}

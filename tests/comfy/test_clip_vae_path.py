@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from unit_checks import assert_peak_within_budget
 
 GIB = 1 << 30
 
@@ -85,6 +86,7 @@ def test_encode_matches_unpatched(clip, max_vram, pack):
     e = entry(payload, "CLIP")
     assert e["stage"] == "measured" and e["plan"]["streamed_bytes_per_forward"] > 0
     assert e["plan"]["peak_bytes"] <= e["plan"]["budget_bytes"]
+    assert_peak_within_budget(e["plan"])
     # the input embedding stays resident: the encoder reads its device before anything runs
     resident = {u for s in e["plan"]["segments"] if s["resident"] for u in s["units"]}
     assert any(u.endswith("prelude") for u in resident)
@@ -154,6 +156,7 @@ def test_vae_decode_encode_and_tiled_match_unpatched(vae, max_vram):
     assert torch.equal(pv.encode_tiled(image, tile_x=32, tile_y=32, overlap=8), ref_tenc)
     e = entry(payload, "VAE")
     assert e["stage"] == "measured" and e["plan"]["peak_bytes"] <= e["plan"]["budget_bytes"]
+    assert_peak_within_budget(e["plan"])
     assert_same(vae.first_stage_model, snap)
     assert torch.equal(vae.decode(latent), ref_dec)
     for name in ("decode", "encode"):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from unit_checks import assert_partition, blocks
+from unit_checks import assert_partition, assert_peak_within_budget, blocks
 
 try:
     tm.import_comfy()
@@ -416,6 +416,7 @@ def test_engine_forward_bit_identical(pack, case):
     plan = r.engine.last_plan
     assert plan is not None and plan.measured
     assert plan.peak_bytes <= r.budget
+    assert_peak_within_budget(r.engine.stats, r.budget)
     if case.cuts:
         assert plan.streamed_bytes_per_forward > 0, "everything resident: the budget did not cut"
         assert plan.resident_bytes < r.total

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from unit_checks import assert_partition, blocks
+from unit_checks import assert_partition, assert_peak_within_budget, blocks
 
 try:
     tm.import_comfy()
@@ -88,6 +88,7 @@ def check_engine(core, module, fn, args, cuts: bool):
     assert same(again, ref)
     plan = eng.last_plan
     assert plan.measured and plan.peak_bytes <= budget
+    assert_peak_within_budget(eng.stats, budget)
     if cuts:
         assert plan.streamed_bytes_per_forward > 0, "everything resident: the budget did not cut"
     return eng

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from unit_checks import assert_peak_within_budget
 
 GIB = 1 << 30
 
@@ -68,6 +69,7 @@ def test_sampling_matches_unpatched_and_original_is_unchanged(family, max_vram, 
     assert entry["stage"] == "measured" and entry["plan"]["measured"]
     assert entry["plan"]["streamed_bytes_per_forward"] > 0
     assert entry["plan"]["peak_bytes"] <= entry["plan"]["budget_bytes"]
+    assert_peak_within_budget(entry["plan"])
     assert_same(model.model.diffusion_model, snap)
     # the original still samples as before, and carries no VRAMCut wrapper
     assert torch.equal(tm.sample(model, pos, neg, latent, steps=3), ref)

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from unit_checks import assert_peak_within_budget
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -157,6 +158,7 @@ def test_decode_matches_unpatched(runs, name):
     if r["second"] is not None:
         assert torch.equal(r["second"], runs["ref"]), "planned decode"
     assert r["plan"]["peak_bytes"] <= r["plan"]["budget_bytes"]
+    assert_peak_within_budget(r["plan"])
     assert vae_entry(r["payload"])["stage"] == "measured"
 
 
