@@ -160,6 +160,7 @@ class PatchState:
         self.kind, self.settings, self.report, self.pinned = kind, settings, report, pinned
         self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
+        self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
 
     def on_model_patcher_clone(self):
@@ -218,6 +219,11 @@ class PatchState:
         copy as it arrives. A budget that cannot hold this call is a plain error naming what does
         not fit and the smallest budget; it becomes an OOM error only where the host has a
         fallback that makes the call smaller (tiled VAE, smaller upscale tiles)."""
+        if self.settings.budget_mode != "fixed" and engine not in self._resolved and not engine.executor.running:
+            # "free VRAM minus reserve" is what is free when the model first runs (ComfyUI has
+            # made room for it by then), not when the node ran
+            self._resolved.add(engine)
+            engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device), self.free_memory))
         merge = DeviceMerge.for_call(patcher, engine.module)
         key = merge.key if merge is not None else None
         if self._patches.get(engine, key) != key and not engine.executor.running:

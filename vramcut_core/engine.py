@@ -283,6 +283,14 @@ class Engine:
     def release(self) -> None:
         self.executor.release()
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget (resolved late, from the device's free memory): plans and failures made
+        for the old one are dropped; measurements stay."""
+        if budget_bytes != self.config.budget_bytes:
+            self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
+            self._plans.clear()
+            self._failed.clear()
+
     def keep_buffers(self, keep: bool) -> None:
         """Hold device buffers between forwards (a host that ends runs with a callback)."""
         self.executor.keep_buffers = keep

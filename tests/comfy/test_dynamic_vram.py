@@ -159,7 +159,7 @@ def test_dynamic_original_gets_its_module_back(max_vram, pack):
     mm.unload_all_models()
 
 
-def test_free_vram_mode_asks_the_host_what_it_could_free(max_vram, pack):
+def test_free_vram_mode_asks_the_host_what_it_could_free(max_vram, pack, monkeypatch):
     """'free VRAM minus reserve' takes the patcher's own answer, which on dynamic hosts counts
     what they could evict from their virtual ranges."""
     import comfy.model_management as mm
@@ -171,6 +171,12 @@ def test_free_vram_mode_asks_the_host_what_it_could_free(max_vram, pack):
     plain_budget = mm.get_free_memory(patched.load_device) - GIB
     # the device's free memory moves a little between the two readings; the stand-in adds 3 GiB
     assert abs(engine.config.budget_bytes - (plain_budget + dh.RECLAIMABLE)) < GIB // 2
+    # the budget is what is free when the model first runs, not when the node ran
+    monkeypatch.setattr(dh, "RECLAIMABLE", 6 << 30)
+    pos, neg = tm.tiny_sd3_conditioning()
+    tm.sample(patched, pos, neg, (1, 16, 8, 8), steps=1)
+    plain_budget = mm.get_free_memory(patched.load_device) - GIB
+    assert abs(engine.config.budget_bytes - (plain_budget + (6 << 30))) < GIB // 2
 
 
 # ---------------------------------------------------------------------------------------------
