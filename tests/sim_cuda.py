@@ -310,6 +310,7 @@ class SimCuda:
         self._ids = itertools.count()
         self.streams: list[SimStream] = []
         self.hazards: list[str] = []
+        self.recorded_types: list[str] = []  # the type of every tensor record_stream was called on
         self.alloc = SimAllocator(self._reused)
         self.recs: dict[int, _Rec] = {}
         self.registered: dict[int, tuple[int, int]] = {}
@@ -468,6 +469,8 @@ class SimCuda:
                 return
 
     def is_device(self, t: torch.Tensor) -> bool:
+        if _wrapper(t):  # where its inner tensors are
+            return any(self.is_device(v) for v in vars(t).values() if isinstance(v, torch.Tensor))
         rec = self.recs.get(t.untyped_storage().data_ptr())
         return rec is not None and not rec.host
 
@@ -492,6 +495,11 @@ class _SimMode(TorchDispatchMode):
         sim = self.sim
         sim.ops += 1
         flat, _ = tree_flatten((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and _wrapper(t) for t in flat):
+            # a wrapper subclass has no storage of its own; its dispatch runs the op on its inner
+            # tensors with this mode off, so the simulator does not see them: such weights run,
+            # but their ordering is not checked here
+            return func(*args, **kwargs)
         tensors = [t for t in flat if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided]
         if func.is_view or func in _METADATA_OPS:
             return func(*args, **kwargs)
@@ -577,6 +585,17 @@ def _fill_fresh(t: torch.Tensor) -> None:
         torch.empty(0, dtype=torch.uint8).set_(st).fill_(NAN_FILL)
 
 
+def _wrapper(t: torch.Tensor) -> bool:
+    """A wrapper tensor subclass (``_make_wrapper_subclass``): no storage of its own."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+        return False
+    except RuntimeError:
+        return True
+
+
 _METADATA_OPS = {aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
                  aten._has_compatible_shallow_copy_type.default, aten.is_same_size.default,
                  aten.is_pinned.default}
@@ -614,6 +633,9 @@ def simulated_cuda(monkeypatch):
             sim.host_ctx -= 1
 
     def record_stream(self, stream):
+        sim.recorded_types.append(type(self).__name__)
+        if _wrapper(self):
+            return
         rec = sim.recs.get(self.untyped_storage().data_ptr())
         if rec is not None:
             rec.recorded.add(stream.id)

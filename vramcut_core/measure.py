@@ -231,10 +231,6 @@ class CUDAMeter(Meter):
     def stop(self) -> None:
         pass
 
-    def paused(self):
-        import contextlib
-        return contextlib.nullcontext()
-
     def live(self) -> int:
         return max(0, torch.cuda.memory_allocated(self.device) - self._own())
 

@@ -600,3 +600,48 @@ def test_registration_failures_of_every_kind_leave_no_pending_error(sim, how):
         assert sim.pending_error is None
         outs.append(eng.run(model, x))
     assert all(torch.equal(o, ref) for o in outs)
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper subclass with its own dispatch and no flatten protocol: the executor cannot take
+    it apart, so it is moved as a whole beside the unit's flat copy."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+        unwrap = lambda x: x.inner if isinstance(x, Wrapped) else x
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.detach.default, torch.ops.aten.clone.default):
+            return Wrapped(out)
+        return out
+
+
+def test_weights_that_cannot_be_taken_apart_on_the_cuda_branch(sim):
+    """Moved one by one beside the slot, on the copy stream, announced to the compute stream
+    (record_stream): bit-equal, no hazard, restored."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(TransformerStack())
+        for blk in model.blocks:
+            lin = blk.fc1 if hasattr(blk, "fc1") else next(m for m in blk.modules() if isinstance(m, nn.Linear))
+            lin._parameters["weight"] = Wrapped(lin.weight.detach().clone())
+        from vramcut_core import quant
+        assert quant.parts(lin._parameters["weight"]) is None
+        x = ids()
+        ref = model(x)
+        snap = values(model)
+    with torch.no_grad():
+        eng = cuda_engine(model, budget_for(model, x))
+        with eng.session():
+            outs = [eng.run(model, x) for _ in range(3)]
+        assert all(torch.equal(o, ref) for o in outs)
+        assert eng.last_plan.streamed_bytes_per_forward > 0
+        assert "Wrapped" in sim.recorded_types, "a weight moved as a whole must be announced to the compute stream"
+        assert any("Wrapped" in w and "cannot be taken apart" in w for w in eng.last_plan.warnings)
+    assert_restored(model, snap, sim)

@@ -412,7 +412,7 @@ WEIGHTS_BADGE = "#64748b"
 BADGE_TOLERANCE = 3          # the badges are flat fills; idle (#6b7280) is 11 away from #64748b
 # Measured on the random SD VAE decoding a 1x4x8x8 latent: decoder.up.3 + up.2 (126 MiB) stay
 # resident, the rest of the decoder streams, the encoder is idle (0.08 GiB keeps nothing resident).
-VAE_BUDGET_GB = 0.25
+VAE_BUDGET_GB = 0.18
 DOCS_IMAGE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "node_plan.png")
 DOCS_ZOOM = 1.5
 DOCS_WIDTH = 460             # graph units (the node's default is 360)
