@@ -8,7 +8,9 @@ import importlib.util
 
 WEB_DIRECTORY = "./web"
 
-if importlib.util.find_spec("comfy") is not None:
+# ``__package__`` is empty when this file is imported as a plain module (pytest collecting from
+# a checkout whose folder name is not a Python name, such as ComfyUI-VRAMCut): no nodes then.
+if __package__ and importlib.util.find_spec("comfy") is not None:
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 else:
     NODE_CLASS_MAPPINGS = {}

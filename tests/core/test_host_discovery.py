@@ -38,3 +38,21 @@ def test_a_host_whose_requirements_import_is_used(tmp_path):
     host = fake_host(tmp_path, "DEVICE = 'cpu'\n")
     r = import_comfy_in_subprocess(host)
     assert r.returncode == 0 and r.stdout.strip() == "imported", r.stdout + r.stderr
+
+
+
+def test_tests_run_from_a_folder_whose_name_is_not_a_python_name(tmp_path):
+    """A clone into ComfyUI-VRAMCut (as the README says) with ComfyUI importable: pytest imports
+    the checkout's __init__.py as a plain module there, which must not fail on its relative
+    import (it registers no nodes then)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pack = tmp_path / "ComfyUI-VRAMCut"
+    (pack / "tests").mkdir(parents=True)
+    (pack / "__init__.py").write_text(pathlib.Path(root, "__init__.py").read_text())
+    (pack / "tests" / "test_one.py").write_text("def test_one():\n    assert True\n")
+    (tmp_path / "site" / "comfy").mkdir(parents=True)
+    (tmp_path / "site" / "comfy" / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+                        "tests"], cwd=pack, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
