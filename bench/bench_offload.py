@@ -30,7 +30,6 @@ swaps, casts, copies), not PCIe behaviour.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -341,7 +340,8 @@ def child_dynamic(ref_path: str, size: str, dtype: str, repeat: int) -> dict:
             resident = patcher.loaded_size()
         return row(name, time_s=t, transfers="not counted", bytes_streamed="not counted",
                    peak_allocated_bytes=pk.allocated, peak_reserved_bytes=pk.reserved,
-                   resident_bytes=resident, **compare(out, ref))
+                   resident_bytes=resident, note="peaks from torch's allocator; the weights the host "
+                   "faults into its own virtual ranges (comfy-aimdo) may lie outside it", **compare(out, ref))
     except Exception as e:
         return row(name, status=f"failed: {type(e).__name__}: {e}"[:500])
 
@@ -460,6 +460,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=tuple(MODELS), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"))
     ap.add_argument("--repeat", type=int, default=None, help="timed forwards per row (default 5)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch on CPU (default 1: steadier "
+                    "figures on a shared machine)")
     ap.add_argument("--no-host", action="store_true", help="leave the ComfyUI rows out even with COMFYUI_PATH set")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child-dynamic", metavar="REF", help=argparse.SUPPRESS)
@@ -469,7 +471,10 @@ def main(argv=None) -> int:
     if a.child_dynamic:
         print(json.dumps(child_dynamic(a.child_dynamic, size, a.dtype, repeat)))
         return 0
+    if a.device == "cpu":
+        torch.set_num_threads(a.threads)
     res = run(a.device, size, a.dtype, repeat, host=not a.no_host)
+    res["threads"] = torch.get_num_threads()
     print(format_table(res))
     if a.json:
         with open(a.json, "w") as f:
