@@ -161,6 +161,15 @@ def compare(out, ref) -> dict:
     return {"max_abs_diff": (out - ref).abs().max().item(), "equal": bool(torch.equal(out, ref))}
 
 
+def fresh_copy(model):
+    """A copy for a row that changes the model in place (normal tensors, not inference tensors,
+    as a loader would have made them)."""
+    import torch
+
+    with torch.inference_mode(False):
+        return copy.deepcopy(model)
+
+
 # -- the rows -----------------------------------------------------------------------------------
 
 def plan_transfers(plan) -> int:
@@ -212,7 +221,7 @@ def run_comfy_lowvram(model, ids, dev, repeat, ref, budget, comfy) -> dict:
     weights on the host and are cast to the device on every forward."""
     import torch
 
-    m = copy.deepcopy(model)
+    m = fresh_copy(model)
     with Peak(dev) as pk:
         patcher = comfy.model_patcher.ModelPatcher(m, load_device=dev, offload_device=torch.device("cpu"))
         patcher.patch_model(device_to=dev, lowvram_model_memory=budget)
@@ -234,7 +243,7 @@ def run_block_swap(model, ids, dev, repeat, ref, budget) -> dict:
     """First N blocks resident, the others copied in before their call and dropped after it."""
     import torch
 
-    m = copy.deepcopy(model)
+    m = fresh_copy(model)
     blocks = list(m.blocks)
     sizes = [nbytes(b.parameters()) for b in blocks]
     rest = nbytes(m.parameters()) - sum(sizes)

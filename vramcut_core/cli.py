@@ -76,7 +76,7 @@ def _plan_components(a, comps, rest: dict, budget: int, opts: PlanOptions) -> in
         try:
             units, plan = _plan_header(f"{a.model} ({c.name})", c.header, budget, opts)
         except BudgetError as e:
-            raise ValueError(f"{c.name} ({c.label}, {' '.join(p + '*' for p in c.prefixes)}): {e}") from None
+            raise ValueError(f"{_heading(c)}: {e}") from None
         planned.append((c, units, plan))
     left = {"keys": len(rest), "bytes": header_bytes(rest), "examples": sorted(rest)[:5]}
     if a.json:
@@ -93,14 +93,18 @@ def _plan_components(a, comps, rest: dict, budget: int, opts: PlanOptions) -> in
     out = [f"{a.model}: all-in-one checkpoint ({names}); each planned on its own under the budget, "
            f"as the Max VRAM node plans its inputs"]
     for c, units, plan in planned:
-        out += ["", plan_to_text(plan, title=f"{c.name} ({c.label}, {' '.join(p + '*' for p in c.prefixes)}): "
-                                             f"{len(units)} units, weights only, stored bytes ({_kinds(c.header)})")]
+        out += ["", plan_to_text(plan, title=f"{_heading(c)}: {len(units)} units, weights only, stored bytes "
+                                             f"({_kinds(c.header)})")]
     if rest:
         out += ["", f"not planned: {left['keys']} keys ({fmt_bytes(left['bytes'])}) outside the diffusion "
                     f"model, text encoders and VAE ({', '.join(left['examples'])}"
                     f"{', ...' if left['keys'] > len(left['examples']) else ''})"]
     print("\n".join(out))
     return 0
+
+
+def _heading(c) -> str:
+    return f"{c.name} ({c.label}, {' '.join(p + '*' for p in c.prefixes)})"
 
 
 def _demo(a) -> int:
