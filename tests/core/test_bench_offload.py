@@ -13,6 +13,8 @@ import tiny_models as tm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+pytestmark = pytest.mark.skipif(os.environ.get("VRAMCUT_SKIP_SLOW") == "1", reason="VRAMCUT_SKIP_SLOW=1")
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
