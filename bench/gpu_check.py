@@ -258,8 +258,8 @@ def report(dry: bool, quick: bool) -> dict:
     res["bandwidth"] = {"pinned_h2d_gbps": bw}
     res["forwards"] = {n: run_forwards(n, m, a, dev, bw) for n, m, a in models(quick)}
     res["sessions"] = sessions(dev)
-    res["sanitizer"] = sanitizer(quick, timeout=100)
     res["offload"] = offload(quick)
+    res["sanitizer"] = sanitizer(quick, timeout=100)
     res["elapsed_s"] = time.perf_counter() - t0
     return res
 
