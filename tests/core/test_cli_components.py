@@ -8,7 +8,9 @@ import pytest
 import checkpoint_headers as ch
 from test_cli import flux_like_entries, write_header_only
 from vramcut_core.cli import main
-from vramcut_core.safetensors_plan import split_components
+from vramcut_core.plan import make_plan
+from vramcut_core.report import plan_to_text
+from vramcut_core.safetensors_plan import plan_units_from_header, read_header, split_components
 
 GIB = 1 << 30
 CHECKPOINTS = {"sd15": ch.sd15_components, "sdxl": ch.sdxl_components}
@@ -77,13 +79,16 @@ def test_sdxl_both_text_encoders_are_one_clip_plan(tmp_path, capsys):
 
 
 def test_text_output_names_each_component_and_what_is_not_planned(tmp_path, capsys):
-    path, _, _ = _all_in_one(tmp_path, "sd15")
+    path, parts, _ = _all_in_one(tmp_path, "sd15")
     assert main(["plan", str(path), "--max-vram", "1"]) == 0
     text = capsys.readouterr().out
-    for head in ("MODEL (diffusion model, model.diffusion_model.*)", "CLIP (text encoders, cond_stage_model.*)",
-                 "VAE (VAE, first_stage_model.*)"):
+    for name, head in (("MODEL", "MODEL (diffusion model, model.diffusion_model.*)"),
+                       ("CLIP", "CLIP (text encoders, cond_stage_model.*)"), ("VAE", "VAE (VAE, first_stage_model.*)")):
         assert head in text
-    assert text.count("streamed per forward") == 3
+        own = tmp_path / f"own_{name}.safetensors"
+        write_header_only(own, parts[name])
+        table = plan_to_text(make_plan(plan_units_from_header(read_header(str(own))), GIB))
+        assert f"{head}: " in text and table in text, name
     assert "not planned: 3 keys" in text and "alphas_cumprod" in text
 
 
