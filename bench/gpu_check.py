@@ -10,7 +10,10 @@ What the simulated accelerator in the tests cannot tell:
   plain forward, no sanitizer report;
 * ``forwards``: ``max_memory_reserved`` over whole forwards (plan switches included) against the
   budget; per-forward time against max(compute-only time, streamed bytes / pinned bandwidth);
-* ``sessions``: first-forward cost, host RSS and page-locked bytes across sessions.
+* ``sessions``: first-forward cost, host RSS and page-locked bytes across sessions;
+* ``offload``: ``bench_offload.py``'s comparison (plain, VRAMCut at three budgets and without
+  prefetch/residency, ComfyUI's low-VRAM partial load and a block swap at the same budgets, the
+  host's dynamic VRAM when ``COMFYUI_PATH`` names a host that has it).
 
 ``--dry`` runs on CPU: imports everything and prints the same keys, every figure null or
 "not measured". Nothing here is a figure until it has run on a GPU.
@@ -28,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, os.path.join(ROOT, "tests", "core")):
+for p in (ROOT, HERE, os.path.join(ROOT, "tests", "core")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -219,6 +222,16 @@ def sanitizer(quick: bool, timeout: int) -> dict:
     return out
 
 
+def offload(quick: bool) -> dict:
+    """The comparison with what users would otherwise use (``bench_offload.py``)."""
+    import bench_offload
+
+    try:
+        return bench_offload.run("cuda", "small" if quick else "large", "bf16", repeat=3)
+    except Exception as e:
+        return {"rows": None, "error": f"{type(e).__name__}: {e}"[:1000]}
+
+
 # -- the report -------------------------------------------------------------------------------
 
 def report(dry: bool, quick: bool) -> dict:
@@ -235,6 +248,7 @@ def report(dry: bool, quick: bool) -> dict:
             "sanitizer": {a: {n: NOT for n in names} for a in ALLOCATORS},
             "forwards": {n: dict(forward) for n in names},
             "sessions": {"sessions": NOT, "page_locked_after_drop_bytes": NOT},
+            "offload": {"rows": NOT},
         }
     dev = torch.device("cuda")
     t0 = time.perf_counter()
@@ -244,6 +258,7 @@ def report(dry: bool, quick: bool) -> dict:
     res["bandwidth"] = {"pinned_h2d_gbps": bw}
     res["forwards"] = {n: run_forwards(n, m, a, dev, bw) for n, m, a in models(quick)}
     res["sessions"] = sessions(dev)
+    res["offload"] = offload(quick)
     res["sanitizer"] = sanitizer(quick, timeout=100)
     res["elapsed_s"] = time.perf_counter() - t0
     return res

@@ -16,7 +16,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m vramcut_core", description="VRAMCut: run models under a VRAM budget.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    pl = sub.add_parser("plan", help="plan a .safetensors or .gguf model from its header (no weights read)")
+    pl = sub.add_parser("plan", help="plan a .safetensors or .gguf model from its header (no weights read); "
+                                     "an all-in-one checkpoint is planned per component (MODEL, CLIP, VAE)")
     pl.add_argument("model", help="path to a .safetensors or .gguf file (quantized: stored bytes)")
     pl.add_argument("--max-vram", required=True, metavar="GIB", help="VRAM budget in GiB")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -32,24 +33,78 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(a) -> int:
-    from .safetensors_plan import plan_units_from_header, read_header
+    from .safetensors_plan import read_header, split_components
 
     from .gguf_header import is_gguf, read_gguf_header
 
     budget = gib_to_bytes(a.max_vram)
     header = read_gguf_header(a.model) if is_gguf(a.model) else read_header(a.model)
-    units = plan_units_from_header(header)
-    if not units:
-        raise ValueError(f"{a.model}: holds no tensors")
     opts = PlanOptions(prefetch=not a.no_prefetch, residency=not a.no_residency)
-    plan = make_plan(units, budget, opts)
+    comps, rest = split_components(header)
+    if len(comps) > 1:
+        return _plan_components(a, comps, rest, budget, opts)
+    units, plan = _plan_header(a.model, header, budget, opts)
     if a.json:
         print(dumps(plan_to_json(plan)))
     else:
-        kinds = sorted({v["dtype"] for v in header.values()})
         print(plan_to_text(plan, title=f"{a.model}: {len(units)} units, weights only, "
-                                       f"stored bytes ({', '.join(kinds)})"))
+                                       f"stored bytes ({_kinds(header)})"))
     return 0
+
+
+def _kinds(header: dict) -> str:
+    return ", ".join(sorted({v["dtype"] for v in header.values()}))
+
+
+def _plan_header(what: str, header: dict, budget: int, opts: PlanOptions):
+    from .safetensors_plan import plan_units_from_header
+
+    units = plan_units_from_header(header)
+    if not units:
+        raise ValueError(f"{what}: holds no tensors")
+    return units, make_plan(units, budget, opts)
+
+
+def _plan_components(a, comps, rest: dict, budget: int, opts: PlanOptions) -> int:
+    """An all-in-one checkpoint: each model planned on its own under the whole budget, as the
+    node plans its MODEL, CLIP and VAE inputs (they run one after another, never together)."""
+    from .safetensors_plan import header_bytes
+    from .tensors import fmt_bytes
+
+    planned = []
+    for c in comps:
+        try:
+            units, plan = _plan_header(f"{a.model} ({c.name})", c.header, budget, opts)
+        except BudgetError as e:
+            raise ValueError(f"{_heading(c)}: {e}") from None
+        planned.append((c, units, plan))
+    left = {"keys": len(rest), "bytes": header_bytes(rest), "examples": sorted(rest)[:5]}
+    if a.json:
+        print(dumps({
+            "all_in_one": True,
+            "budget_bytes": budget,
+            "components": [{"component": c.name, "label": c.label, "prefixes": list(c.prefixes),
+                            "weight_bytes": header_bytes(c.header), "plan": plan_to_json(plan)}
+                           for c, _, plan in planned],
+            "not_planned": left,
+        }))
+        return 0
+    names = ", ".join(c.name for c in comps)
+    out = [f"{a.model}: all-in-one checkpoint ({names}); each planned on its own under the budget, "
+           f"as the Max VRAM node plans its inputs"]
+    for c, units, plan in planned:
+        out += ["", plan_to_text(plan, title=f"{_heading(c)}: {len(units)} units, weights only, stored bytes "
+                                             f"({_kinds(c.header)})")]
+    if rest:
+        out += ["", f"not planned: {left['keys']} keys ({fmt_bytes(left['bytes'])}) outside the diffusion "
+                    f"model, text encoders and VAE ({', '.join(left['examples'])}"
+                    f"{', ...' if left['keys'] > len(left['examples']) else ''})"]
+    print("\n".join(out))
+    return 0
+
+
+def _heading(c) -> str:
+    return f"{c.name} ({c.label}, {' '.join(p + '*' for p in c.prefixes)})"
 
 
 def _demo(a) -> int:

@@ -6,10 +6,16 @@ to unit ``double_blocks.7``; ``model.diffusion_model.input_blocks.4.1.proj.weigh
 ``MIN_BLOCKS`` entries is its block list (so ``conditioner.embedders.0`` is not taken for a block
 list, but the encoder layers inside it are). Everything else goes to a prelude or final unit of its
 component. Activations are not measured: the plan is a weight-only plan.
+
+An all-in-one checkpoint (most SD1.5/SDXL files) holds the diffusion model, the text encoders and
+the VAE under the prefixes ComfyUI's checkpoint loader reads them from; ``split_components`` cuts
+its header into one header per component, so each is planned on its own under the budget, as the
+Max VRAM node plans MODEL, CLIP and VAE.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -122,3 +128,52 @@ def plan_units_from_header(header: dict) -> list[PlanUnit]:
         a, b = v["data_offsets"]
         nbytes[unit_of[k]] += b - a
     return [PlanUnit(u, nbytes[u]) for u in order if nbytes[u] > 0]
+
+
+# Where an all-in-one checkpoint keeps each model: the prefixes ComfyUI's checkpoint loader reads
+# (``supported_models_base``: ``model.diffusion_model.``; text encoders ``cond_stage_model.``,
+# SDXL's ``conditioner.embedders.``, newer families' ``text_encoders.``; VAE ``first_stage_model.``
+# or ``vae.``). Named as the node's inputs are: each is planned as the node plans that input.
+COMPONENTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("MODEL", "diffusion model", ("model.diffusion_model.",)),
+    ("CLIP", "text encoders", ("cond_stage_model.", "conditioner.embedders.", "text_encoders.")),
+    ("VAE", "VAE", ("first_stage_model.", "vae.")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One model of a checkpoint: ``name`` is the node input it goes to ("MODEL", "CLIP", "VAE"),
+    empty for a file that holds one model only; ``header`` holds its keys, unchanged."""
+
+    name: str
+    label: str
+    prefixes: tuple[str, ...]
+    header: dict
+
+
+def split_components(header: dict) -> tuple[list[Component], dict]:
+    """``(components, rest)``: the header cut per component, in the order MODEL, CLIP, VAE, and
+    the keys that belong to none (``alphas_cumprod``, EMA copies: no node input loads them).
+
+    A header with fewer than two components present is one model (a diffusion model, a text
+    encoder or a VAE file, prefixed or not): it comes back whole, as one unnamed component."""
+    parts: dict[str, dict] = {name: {} for name, _, _ in COMPONENTS}
+    rest: dict = {}
+    for k, v in header.items():
+        for name, _, prefixes in COMPONENTS:
+            if k.startswith(prefixes):
+                parts[name][k] = v
+                break
+        else:
+            rest[k] = v
+    present = [(name, label, prefixes) for name, label, prefixes in COMPONENTS if parts[name]]
+    if len(present) < 2:
+        return [Component("", "", (), header)], {}
+    return [Component(name, label, tuple(p for p in prefixes if any(k.startswith(p) for k in parts[name])),
+                      parts[name]) for name, label, prefixes in present], rest
+
+
+def header_bytes(header: dict) -> int:
+    """Stored bytes of the tensors a header declares."""
+    return sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
