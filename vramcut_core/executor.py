@@ -100,7 +100,8 @@ def _view(buf: torch.Tensor, off: int, n: int, like: torch.Tensor) -> torch.Tens
     cache = getattr(buf, "_vramcut_views", None)
     if cache is None:
         cache = buf._vramcut_views = {}
-    key = (off, n, like.dtype, like.shape)
+    key = (off, n, like.dtype, like.shape, torch.is_inference_mode_enabled())  # (a view made in
+    # inference mode is an inference tensor: it must not be reused for a copy outside it)
     v = cache.get(key)
     if v is None:
         v = cache[key] = buf[off:off + n].view(like.dtype).view(like.shape)

@@ -338,3 +338,22 @@ def test_cuda_held_weights_stay_on_the_device_between_forwards_without_hazards(s
             assert torch.equal(o, ref)
         assert eng.executor.device_bytes == 0
     assert_restored(model, snap, sim)
+
+
+def test_buffers_views_follow_the_grad_mode_of_each_forward():
+    """Views of the executor's buffers are made once, but one made in inference mode is never
+    used for a copy in a forward outside it (where in-place writes to it are refused)."""
+    model = seeded(TransformerStack(d=32, depth=8))
+    x = ids()
+    with torch.no_grad():
+        ref = model(x)
+        budget = budget_for(model)
+    eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu"))
+    with eng.session():
+        with torch.no_grad():
+            eng.run(model, x)
+            eng.run(model, x)
+        with torch.inference_mode():
+            assert torch.equal(eng.run(model, x), ref)
+        with torch.no_grad():
+            assert torch.equal(eng.run(model, x), ref)
