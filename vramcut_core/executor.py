@@ -16,15 +16,23 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   the same type around the device views, its metadata intact (a subclass that cannot be taken
   apart is moved as an object beside the slots, and counted); afterwards they point back at
   their masters. After a forward the model holds the same Parameter objects as before.
-* Scheduling by unit. Forward pre-hooks on every module that reads a unit's tensors tell the
-  executor which unit runs; nothing counts calls, so skipped blocks, replaced blocks and blocks
-  run twice are all fine. Entering a streamed unit waits for its copy (or loads it then), and
-  starts copying the next streamed unit into the other slot.
+* Scheduling by unit. Forward pre-hooks tell the executor which unit runs; nothing counts
+  calls, so skipped blocks, replaced blocks and blocks run twice are all fine. A measuring
+  forward hooks every module that reads a unit's tensors; other forwards hook only streamed
+  units, at their roots where every measuring forward saw the unit's modules run inside a root's
+  call (else at every module, as a UNet's timestep-embed sequential needs). Entering a streamed
+  unit waits for its copy (or loads it then), and starts copying the next streamed unit into
+  the other slot.
 * Prefetch (CUDA). Copies run on a side stream. Compute waits only on the event of the copy it
   needs, and a copy into a slot first waits on an event recorded on the compute stream, so it
   never overwrites weights that queued kernels still read.
 * Exact restore. Hooks are removed and every tensor is pointed back at its master in
-  ``finally``: after a forward, an exception or an interrupt the module is as it was.
+  ``finally``: after a forward, an exception or an interrupt the module is as it was. One
+  exception, for bookkeeping near zero: inside a session (or a host's sampling run, with
+  ``hold_weights``) a plan that keeps every unit resident keeps its weights swapped in between
+  forwards, so a forward runs no hook and swaps no pointer; they go back on release (the
+  session's end), an error, an interrupt, ``invalidate``, a new plan, and before any forward of
+  the module that is not ours.
 * Host masters are owned for the process: shared by executors on the same tensors, kept across
   sessions, page-locked up to a cap (``PIN_FRACTION`` of RAM, portable to every GPU), unpinned by
   a finalizer once the copies reading them have finished. A failed registration's pending CUDA

@@ -357,3 +357,26 @@ def test_buffers_views_follow_the_grad_mode_of_each_forward():
             assert torch.equal(eng.run(model, x), ref)
         with torch.no_grad():
             assert torch.equal(eng.run(model, x), ref)
+
+
+def test_out_of_memory_in_a_held_forward_says_where_it_can():
+    """Resident units are not tracked outside measuring forwards: the error says so instead of
+    claiming that no unit ran."""
+    model = seeded(ExplodingStack(at=3))
+    x = ids()
+    with torch.no_grad():
+        snap = snapshot(model)
+        eng = Engine(model, EngineConfig(budget_bytes=HUGE, device="cpu"))
+        with eng.session():
+            eng.run(model, x)
+            eng.run(model, x)
+            assert eng.executor.holds_weights
+
+            def oom(*_):
+                raise torch.OutOfMemoryError("out of memory (raised by the test)")
+
+            h = model.blocks[3].fc2.register_forward_hook(oom)
+            with pytest.raises(torch.OutOfMemoryError, match="in a resident segment"):
+                eng.run(model, x)
+            h.remove()
+            assert_unchanged(model, snap)
