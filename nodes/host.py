@@ -162,6 +162,7 @@ class PatchState:
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
         self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
+        self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
 
     def on_model_patcher_clone(self):
         return self
@@ -189,8 +190,15 @@ class PatchState:
     def running(self) -> bool:
         return any(e.executor.running for e in self._engines.values())
 
+    def begin_run(self, *_args, **_kw) -> None:
+        """Start of a sampling run (ON_PRE_RUN): until its cleanup, a model planned all resident
+        keeps its weights swapped in between steps (no hooks, no pointer swaps per step). Outside
+        a run (a node calling the model directly) they go back after every call."""
+        self.in_run = True
+
     def release(self, *_args, **_kw) -> None:
         """Give back every device buffer the engines hold (ComfyUI cannot see them)."""
+        self.in_run = False
         for e in list(self._engines.values()):
             if not e.executor.running:
                 e.keep_buffers(False)
@@ -574,6 +582,9 @@ def to_vramcut_patcher(patcher, state: PatchState):
     for ctype, fn in ((CallbacksMP.ON_CLEANUP, state.finish), (CallbacksMP.ON_DETACH, state.release)):
         clone.remove_callbacks_with_key(ctype, KEY)
         clone.add_callback_with_key(ctype, KEY, fn)
+    if hasattr(CallbacksMP, "ON_PRE_RUN"):  # paired with ON_CLEANUP by the host's try/finally
+        clone.remove_callbacks_with_key(CallbacksMP.ON_PRE_RUN, KEY)
+        clone.add_callback_with_key(CallbacksMP.ON_PRE_RUN, KEY, state.begin_run)
     return clone
 
 

@@ -37,6 +37,7 @@ class _ApplyModelWrapper:
         patcher = getattr(base_model, "current_patcher", None)
         device = getattr(patcher, "load_device", None) or _device_of_inputs(args, kwargs)
         engine = self.state.engine(module, device, keep_buffers=True)
+        engine.hold_weights(self.state.in_run)  # weights held between steps only inside a run
         return self.state.run(engine, executor, *args, patcher=patcher, **kwargs)
 
 

@@ -90,6 +90,7 @@ class Engine:
 
     def _reset_units(self) -> None:
         self._all = {u.name: u for u in self.unitset.units}
+        self._checks: list | None = None
         self._parent: dict[str, str] = {}  # a part of a finer cut -> the unit it was cut from
         for u in self.unitset.units:
             if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.pinned):
@@ -105,16 +106,21 @@ class Engine:
         return self._all[name]
 
     def _stale(self) -> bool:
-        for u in self.unitset.units:
-            for t in u.tensors:
-                if t.refs[0].get() is not t.tensor:
-                    return True
+        checks = self._checks
+        if checks is None:  # (registry, key, tensor) of each unit tensor, flat: checked every forward
+            checks = self._checks = [(r.owner._parameters if r.is_param else r.owner._buffers, r.key, t.tensor)
+                                     for u in self.unitset.units for t in u.tensors for r in t.refs[:1]]
+        for store, key, t in checks:
+            if store.get(key) is not t:
+                return True
         return False
 
     def revalidate(self) -> None:
         """Find the units again if the module's tensors were replaced from outside (a host that
-        sets new Parameter objects); plans stay cached when the unit names did not change."""
-        if not self._stale():
+        sets new Parameter objects); plans stay cached when the unit names did not change.
+        Skipped while the executor holds the weights of an all-resident plan between forwards:
+        whoever replaces or writes weights inside a session calls ``weights_changed`` first."""
+        if self.executor.holds_weights or not self._stale():
             return
         old = [u.name for u in self.unitset.units]
         self.executor.forget_units()
@@ -297,6 +303,14 @@ class Engine:
         if not keep and not self.executor.running:
             self.executor.release()
 
+    def hold_weights(self, hold: bool) -> None:
+        """With buffers kept between forwards (``keep_buffers``), also keep an all-resident plan's
+        weights swapped in between forwards, so a forward runs no hooks and no pointer swaps
+        (a session always does). Turned off, the module points at its masters again."""
+        self.executor.hold_weights = hold
+        if not hold and not self.executor.running:
+            self.executor.restore_weights()
+
     def weights_changed(self) -> None:
         """The host wrote into the module's weights in place (hook LoRAs between forwards):
         device copies held between forwards are copied again before the next forward reads them."""
@@ -357,10 +371,12 @@ class Engine:
         except torch.OutOfMemoryError as e:
             ex = self.executor
             unit = ex.failed_unit
-            where = "before any unit ran"
+            where = "before any unit ran" if ex.failed_tracked else "in a resident segment"
             if unit is not None:
                 seg = _segment_of(ex.failed_plan, unit) if ex.failed_plan is not None else None
                 where = f"in segment '{seg or unit}'"
+                if not ex.failed_tracked:  # resident units are not hooked outside measuring
+                    where += " or a resident segment after it"
             msg = (f"VRAMCut: out of memory {where}, with {fmt_bytes(ex.failed_device_bytes)} of weights on "
                    f"the device under a budget of {fmt_bytes(self.config.budget_bytes)} (all released; the "
                    f"model is unchanged): {e}")

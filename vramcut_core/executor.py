@@ -16,15 +16,23 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   the same type around the device views, its metadata intact (a subclass that cannot be taken
   apart is moved as an object beside the slots, and counted); afterwards they point back at
   their masters. After a forward the model holds the same Parameter objects as before.
-* Scheduling by unit. Forward pre-hooks on every module that reads a unit's tensors tell the
-  executor which unit runs; nothing counts calls, so skipped blocks, replaced blocks and blocks
-  run twice are all fine. Entering a streamed unit waits for its copy (or loads it then), and
-  starts copying the next streamed unit into the other slot.
+* Scheduling by unit. Forward pre-hooks tell the executor which unit runs; nothing counts
+  calls, so skipped blocks, replaced blocks and blocks run twice are all fine. A measuring
+  forward hooks every module that reads a unit's tensors; other forwards hook only streamed
+  units, at their roots where every measuring forward saw the unit's modules run inside a root's
+  call (else at every module, as a UNet's timestep-embed sequential needs). Entering a streamed
+  unit waits for its copy (or loads it then), and starts copying the next streamed unit into
+  the other slot.
 * Prefetch (CUDA). Copies run on a side stream. Compute waits only on the event of the copy it
   needs, and a copy into a slot first waits on an event recorded on the compute stream, so it
   never overwrites weights that queued kernels still read.
 * Exact restore. Hooks are removed and every tensor is pointed back at its master in
-  ``finally``: after a forward, an exception or an interrupt the module is as it was.
+  ``finally``: after a forward, an exception or an interrupt the module is as it was. One
+  exception, for bookkeeping near zero: inside a session (or a host's sampling run, with
+  ``hold_weights``) a plan that keeps every unit resident keeps its weights swapped in between
+  forwards, so a forward runs no hook and swaps no pointer; they go back on release (the
+  session's end), an error, an interrupt, ``invalidate``, a new plan, and before any forward of
+  the module that is not ours.
 * Host masters are owned for the process: shared by executors on the same tensors, kept across
   sessions, page-locked up to a cap (``PIN_FRACTION`` of RAM, portable to every GPU), unpinned by
   a finalizer once the copies reading them have finished. A failed registration's pending CUDA
@@ -93,7 +101,19 @@ def _quant_views(buf: torch.Tensor, t: torch.Tensor, spans: list[tuple[int, int]
 
 
 def _view(buf: torch.Tensor, off: int, n: int, like: torch.Tensor) -> torch.Tensor:
-    return buf[off:off + n].view(like.dtype).view(like.shape)
+    """A view of ``buf`` shaped like ``like``. Made once per buffer, place and shape: slots and
+    resident buffers are copied into and swapped in on every forward, and a typed view of a byte
+    buffer costs microseconds. The views live with the buffer (freed with it); tensors pointed
+    at one share its memory, never its metadata."""
+    cache = getattr(buf, "_vramcut_views", None)
+    if cache is None:
+        cache = buf._vramcut_views = {}
+    key = (off, n, like.dtype, like.shape, torch.is_inference_mode_enabled())  # (a view made in
+    # inference mode is an inference tensor: it must not be reused for a copy outside it)
+    v = cache.get(key)
+    if v is None:
+        v = cache[key] = buf[off:off + n].view(like.dtype).view(like.shape)
+    return v
 
 
 # -- host memory ------------------------------------------------------------------------------
@@ -336,6 +356,19 @@ class SegmentedExecutor:
         # Collected without release (an interrupted run, an engine replaced): hooks go, host
         # masters are unpinned once the copies reading them have finished.
         weakref.finalize(self, _finalize_executor, self._copy_stream, self._hooks, self._masters)
+        # Hook dispatch and held weights (see _hook_units and _hold): an all-resident plan keeps
+        # its weights swapped in between forwards of a session (or, with ``hold_weights``, while
+        # buffers are kept); the module is whole again on release, error, interrupt, invalidate,
+        # a plan change, or a forward of the module that is not ours.
+        self.hold_weights = False
+        self._held: Plan | None = None
+        self._held_undo: list = []    # (unit tensor, host master, plain): a finalizer's restore list
+        self._guard: list = []        # the module's pre-hook while weights are held
+        self._contained: dict[str, bool] = {}  # unit -> every module call seen ran inside a root's call
+        self._roots_active: dict[str, int] = {}
+        self._uncontained: set[str] = set()
+        self.failed_tracked = True    # the failed forward tracked every unit (not only streamed ones)
+        weakref.finalize(self, _undo_held, self._held_undo, self._guard)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -350,6 +383,8 @@ class SegmentedExecutor:
             self._in_session -= 1
             if not self._holding and not self._running:
                 self.release()
+            elif not self._in_session and not self.hold_weights and not self._running:
+                self._drop_held()  # buffers kept past the session; the weights are not
 
     def forward(self, plan: Plan, fn: Callable, *args, measure: bool = False,
                 limit_bytes: int | None = None, **kwargs):
@@ -386,7 +421,9 @@ class SegmentedExecutor:
                 start_ev = torch.cuda.Event(enable_timing=True)
                 start_ev.record()
             self._last_plan = plan
-            self._begin(plan)
+            resumed = self._resume_held(plan, measure)
+            if not resumed:
+                self._begin(plan)
             if self.cuda:
                 self._base = torch.cuda.memory_allocated(self.device) - self.device_bytes
             self._meter = self._make_meter(measure)
@@ -397,7 +434,8 @@ class SegmentedExecutor:
             self._input_bytes = _input_bytes(args, kwargs, self.device) if self._meter is not None else 0
             if self._meter is not None:
                 self._meter.start()
-            self._install_hooks(plan)
+            if not resumed:
+                self._hook_units(plan, self._meas is not None)
             if self.cuda and self._limit is not None:
                 # the allocator cannot call back: check between module calls while measuring
                 check = lambda *_a: self._check_live()  # noqa: E731
@@ -411,11 +449,12 @@ class SegmentedExecutor:
                 h.remove()
             if not ok:
                 self.failed_unit, self.failed_device_bytes, self.failed_plan = self._current, self.device_bytes, plan
+                self.failed_tracked = self._meas is not None
             if not ok or not self._holding:
                 self._remove_hooks()
             if self._meter is not None:
                 self._meter.stop()
-            self._restore_all()
+            self._after_forward(plan, ok)
             self._current = self._last_streamed = None
             try:
                 if ok and plan.slots == 2 and self._holding:
@@ -458,6 +497,7 @@ class SegmentedExecutor:
             # hazard: freeing buffers that queued kernels on the compute stream still read
             torch.cuda.current_stream(self.device).synchronize()
         self._remove_hooks()
+        self._drop_held()
         self._restore_all()
         self._resident.clear()
         self._slots.clear()
@@ -476,6 +516,8 @@ class SegmentedExecutor:
         it also makes the write safe."""
         if self.cuda:
             self._copy_stream.synchronize()  # hazard: the host writing masters a prefetch still reads
+        if not self._running:
+            self._drop_held()  # the host writes into (and reads) its masters, not our device copies
         self._stale_copies = True
 
     def _release_others(self) -> None:
@@ -909,6 +951,150 @@ class SegmentedExecutor:
         self._hooks.clear()
         self._hooked = None
 
+    # -- hook dispatch: which modules tell the executor that a unit runs ---------------------
+
+    def _hook_units(self, plan: Plan, measuring: bool) -> None:
+        """Pre-hooks that enter units, as few as the forward needs.
+
+        A measuring forward hooks every module that reads a unit's tensors (it records entry
+        order, the modules each unit ran, and activations per unit), and watches whether every
+        call of a unit's modules happened inside a call of one of the unit's roots. Any other
+        forward hooks only streamed units (entering a resident unit does nothing but what the
+        previous streamed unit's entry already did), and of a streamed unit only its roots when
+        every measuring forward saw it contained that way; else (a UNet's timestep-embed
+        sequential calls its children directly, a unit never measured) every module, as before.
+        Kept while buffers are held; replaced when the set to hook changes."""
+        if measuring:
+            self._roots_active.clear()
+            self._uncontained.clear()
+            spec: tuple = ("measure",) + tuple(u.name for u in plan.units)
+        else:
+            resident = self._resident_names
+            spec = ("run",) + tuple((u.name, self._contained.get(u.name, False))
+                                    for u in plan.units if u.name not in resident)
+        if self._hooked == spec:
+            return
+        self._remove_hooks()
+        self._hooked = spec
+        hooks = self._hooks
+        ref = weakref.ref(self)  # hooks must not keep a dropped executor (and its pinned masters) alive
+        for pu in plan.units:
+            name = pu.name
+            unit = self._unit(name)
+            if measuring:
+                roots = frozenset(id(m) for _, m in unit.roots)
+
+                def pre_m(mod, _args, _name=name, _roots=roots, _ref=ref):
+                    ex = _ref()
+                    if ex is None:
+                        return
+                    if ex._running and id(mod) not in _roots and not ex._roots_active.get(_name):
+                        ex._uncontained.add(_name)  # a module of the unit ran outside its roots
+                    ex._enter(_name, mod)
+
+                def root_in(_mod, _args, _name=name, _ref=ref):
+                    ex = _ref()
+                    if ex is not None and ex._running:
+                        ex._roots_active[_name] = ex._roots_active.get(_name, 0) + 1
+
+                def root_out(_mod, _args, _out, _name=name, _ref=ref):
+                    ex = _ref()
+                    if ex is not None and ex._running and ex._roots_active.get(_name):
+                        ex._roots_active[_name] -= 1
+
+                for m in unit.hook_modules:
+                    hooks.append(m.register_forward_pre_hook(pre_m))
+                for _, r in unit.roots:
+                    hooks.append(r.register_forward_pre_hook(root_in))
+                    hooks.append(r.register_forward_hook(root_out, always_call=True))
+                continue
+            if name in self._resident_names:
+                continue
+
+            def pre(mod, _args, _name=name, _ref=ref):
+                ex = _ref()
+                if ex is not None:
+                    ex._enter(_name, mod)
+
+            mods = [m for _, m in unit.roots] if self._contained.get(name) else unit.hook_modules
+            for m in mods:
+                hooks.append(m.register_forward_pre_hook(pre))
+
+    def _learn_containment(self) -> None:
+        """After a measuring forward: a unit stays root-entered only if every measuring forward
+        that entered it saw each of its module calls inside a call of one of its roots."""
+        for n in self._order:
+            ok = bool(self._unit(n).roots) and n not in self._uncontained
+            self._contained[n] = self._contained.get(n, True) and ok
+
+    # -- held weights: an all-resident plan between forwards ---------------------------------
+
+    @property
+    def holds_weights(self) -> bool:
+        """The module's tensors point at the executor's device copies between forwards."""
+        return self._held is not None
+
+    def restore_weights(self) -> None:
+        """Point every tensor back at its master now (device buffers stay for the next forward)."""
+        if self._running:
+            raise RuntimeError("cannot restore the weights while a forward runs")
+        self._drop_held()
+
+    def _resume_held(self, plan: Plan, measure: bool) -> bool:
+        """A forward of the plan whose weights are held: nothing to swap, nothing to hook."""
+        if self._held is None:
+            return False
+        if self._held is plan and not measure and not self._stale_copies:
+            self._plan = plan
+            return True
+        self._drop_held()
+        return False
+
+    def _after_forward(self, plan: Plan, ok: bool) -> None:
+        """Point tensors back at their masters, or keep an all-resident plan swapped in for the
+        next forward of the session (only where nothing is measured and nothing streams)."""
+        if ok and self._meas is not None:
+            self._learn_containment()
+        if ok and self._held is plan:
+            return
+        self._drop_held()  # a held plan's forward failed
+        if (ok and self._meter is None and not self._stale_copies and plan.slots == 0
+                and (self._in_session or (self.keep_buffers and self.hold_weights))
+                and not plan.streamed_order and all(n in self._resident for n in self._swapped)):
+            self._hold(plan)
+            return
+        self._restore_all()
+
+    def _hold(self, plan: Plan) -> None:
+        self._remove_hooks()  # nothing streams: no unit needs entering
+        self._held = plan
+        undo = self._held_undo
+        undo.clear()
+        for name, saved in self._swapped.items():
+            unit, lay = self._unit(name), self.layout(name)
+            for i, host in saved.items():
+                undo.append((unit.tensors[i], host, i not in lay.other and i not in lay.quant))
+        mod = self._module() if self._module is not None else None
+        if mod is not None:
+            ref = weakref.ref(self)
+
+            def guard(_mod, _args, _ref=ref):
+                ex = _ref()
+                if ex is not None and not ex._running:
+                    ex._drop_held()  # a forward that is not ours reads the masters
+
+            self._guard.append(mod.register_forward_pre_hook(guard))
+
+    def _drop_held(self) -> None:
+        if self._held is None:
+            return
+        self._held = None
+        self._held_undo.clear()
+        for h in self._guard:
+            h.remove()
+        self._guard.clear()
+        self._restore_all()
+
     # -- measurement and stats ---------------------------------------------------------------
 
     def _make_meter(self, measure: bool) -> Meter | None:
@@ -992,3 +1178,17 @@ def _finalize_executor(copy_stream, hooks: list, masters: dict) -> None:
         h.remove()
     hooks.clear()
     masters.clear()  # a master no other executor shares is unpinned by its own finalizer
+
+
+def _undo_held(undo: list, guard: list) -> None:
+    """An executor collected while it held weights: the module points at its masters again."""
+    for h in guard:
+        h.remove()
+    guard.clear()
+    for ut, host, plain in undo:
+        if plain:
+            ut.tensor.data = host
+        else:
+            for r in ut.refs:
+                r.set(host)
+    undo.clear()
