@@ -13,9 +13,11 @@ import copy
 import torch
 
 import comfy.sd
+import comfy.model_patcher
 from comfy.patcher_extension import WrappersMP
 
 from ..vramcut_core import find_units
+from . import streams
 from .host import KEY, NodeReport, PatchState, Settings, VRAMCutError, plain_patcher, to_vramcut_patcher
 
 
@@ -41,6 +43,27 @@ class _ApplyModelWrapper:
         return self.state.run(engine, executor, *args, patcher=patcher, **kwargs)
 
 
+class _CondBatchWrapper:
+    """CALC_COND_BATCH wrapper for hosts whose sampler asks ``model_management`` for free memory
+    (ComfyUI 0.3.x) when it decides whether cond and uncond run as one batch: it batches when
+    ``memory_required(batch) * 1.5`` is below that figure, and the weights the engines hold
+    between steps count there as used. They are the engines' to give back, so for that decision
+    the model's need is told less by what they hold: the same answer as ``free + held``, which
+    newer hosts get by asking the patcher (``VRAMCutModelPatcher.get_free_memory``)."""
+
+    def __init__(self, state: PatchState) -> None:
+        self.state = state
+
+    def __call__(self, executor, model, *args, **kwargs):
+        held = streams.held_bytes(self.state)
+        if not held:
+            return executor(model, *args, **kwargs)
+        less = held / 1.5
+        with _wrapped(model, "memory_required",
+                      lambda required: lambda *a, **k: max(0, required(*a, **k) - less)):
+            return executor(model, *args, **kwargs)
+
+
 def _device_of_inputs(args, kwargs):
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -54,6 +77,9 @@ def patch_model(model, settings: Settings, report: NodeReport):
     clone = to_vramcut_patcher(model, state)
     clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _ApplyModelWrapper(state))
+    if not hasattr(comfy.model_patcher.ModelPatcher, "get_free_memory"):  # the sampler asks the process
+        clone.remove_wrappers_with_key(WrappersMP.CALC_COND_BATCH, KEY)
+        clone.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, KEY, _CondBatchWrapper(state))
     engine = state.engine(clone.model.diffusion_model, clone.load_device)
     report.set("MODEL", engine, engine.weight_plan())
     return clone

@@ -70,3 +70,41 @@ def test_all_resident_model_holds_weights_only_inside_the_run(comfy, max_vram, p
     # the shared weights carry no LoRA of ours: the original samples as before
     assert torch.equal(tm.sample(model, pos, neg, latent, steps=4), plain)
     assert_same(module, snap)
+
+
+def test_cond_and_uncond_batch_as_if_the_held_weights_were_free(comfy, max_vram, pack, monkeypatch):
+    """The host runs cond and uncond as one batch only when ``memory_required(batch) * 1.5`` is
+    below the free memory it sees. Weights the engines hold between steps are given back on
+    demand, so they count as free on every host: ComfyUI 0.3.x asks ``model_management`` (the
+    pack tells the sampler through a CALC_COND_BATCH wrapper), newer hosts ask the patcher."""
+    import comfy.model_management as mm
+
+    model = tm.load_tiny_sd3(depth=4, seed=5)
+    pos, neg = tm.tiny_sd3_conditioning()
+    (patched, _, _), _ = max_vram(8.0, model=model)
+    state = pack.nodes.host.state_of(patched)
+    free = 1 << 30
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free) if torch_free_too else free)
+    cls = type(patched.model)
+    plain_required = cls.memory_required
+    decisions = []
+
+    def memory_required(self, input_shape, *a, **k):
+        if not state.in_run or input_shape[0] != 2:
+            return plain_required(self, input_shape, *a, **k)
+        held = sum(e.held_bytes for e in state._engines.values())
+        decisions.append(held)
+        # cond and uncond together fit only if what the engines hold is counted as free
+        return (free + held // 2) / 1.5
+
+    monkeypatch.setattr(cls, "memory_required", memory_required)
+    batches = []
+    hook = patched.model.diffusion_model.register_forward_pre_hook(lambda m, a: batches.append(a[0].shape[0]))
+    try:
+        sample(patched, pos, neg, (1, 16, 8, 8), 4, None)
+    finally:
+        hook.remove()
+    assert len(decisions) == 4 and decisions[0] == 0 and all(decisions[1:]), decisions
+    # step 1 holds nothing yet: cond and uncond run apart; from step 2 on, together
+    assert batches == [1, 1, 2, 2, 2], batches
+    assert "memory_required" not in patched.model.__dict__, "the sampler's view is restored after each call"
