@@ -493,10 +493,24 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
         # One byte of weight budget: every module is set up for per-forward casting, none moved,
         # and no weight is patched on the host (no backup copy, no CPU merge).
+        if getattr(self, "backup", None):
+            # weights the host patched at an earlier load of this patcher (see below): put the
+            # originals back first, or this load would patch them a second time
+            self.unpatch_model(self.offload_device, unpatch_weights=True)
         _take_from_dynamic(self.model)
+        # The host's load skips a module it finds "already lowvramed" (prev_comfy_cast_weights
+        # set): its weight patches would not be set up for this patcher. A full load with forced
+        # casting leaves that mark too (a GGUF text encoder after its first full load), and another
+        # clone's low-VRAM state is not this patcher's: start every module clean.
+        for m in self.model.modules():
+            if hasattr(m, "prev_comfy_cast_weights"):
+                comfy.model_patcher.wipe_lowvram_weight(m)
         out = super().load(device_to, lowvram_model_memory=1, force_patch_weights=False,
                            full_load=False, **kwargs)
-        self._vramcut_merge_keys = mergeable_patch_keys(self)
+        # A loader pack's patcher may patch weights on the host during the load anyway
+        # (ComfyUI-GGUF forces it; the host keeps a backup of each): merging those again on the
+        # device would apply their LoRA twice.
+        self._vramcut_merge_keys = mergeable_patch_keys(self) - frozenset(getattr(self, "backup", {}))
         self._vramcut_host_fns = _host_patch_functions(self, self._vramcut_merge_keys)
         return out
 

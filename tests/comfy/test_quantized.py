@@ -160,18 +160,18 @@ def gguf_pack():
     return sys.modules[name]
 
 
-def write_gguf(path, sd, qtype_name):
-    """A .gguf the way ComfyUI-GGUF's convert tool writes one: arch ``sd3``, block weights in
-    ``qtype``, small or 1-D tensors in F32."""
+def write_gguf(path, sd, qtype_name, arch="sd3", quantizable=_quantizable):
+    """A .gguf the way ComfyUI-GGUF's convert tool writes one: arch ``sd3`` (or ``arch``), block
+    weights in ``qtype``, small or 1-D tensors in F32."""
     import gguf
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
-    w = gguf.GGUFWriter(str(path), arch="sd3")
+    w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_file_type(gguf.LlamaFileType.GUESSED)
     for k, v in sd.items():
         a = v.float().numpy()
-        if _quantizable(k, v) and a.shape[-1] % block == 0:
+        if quantizable(k, v) and a.shape[-1] % block == 0:
             q = _k_quant_blocks(a, qtype) if qtype_name.endswith("_K") else gguf.quants.quantize(a, qtype)
             w.add_tensor(k, q, raw_shape=q.shape, raw_dtype=qtype)
         else:
@@ -319,3 +319,147 @@ def test_quantized_lora_before_or_after_the_node(quantized, order, max_vram):
         assert type(patched) is type(p0), "clones keep the VRAMCut patcher (and the loader's own)"
     assert torch.equal(_ksample(patched, pos, neg), ref), fmt
     assert torch.equal(_ksample(model, pos, neg), plain), "the plain model must stay plain"
+
+
+# --------------------------------------------------------------------------------------------
+# a GGUF text encoder (ComfyUI-GGUF's CLIPLoaderGGUF)
+# --------------------------------------------------------------------------------------------
+
+# A T5 encoder in the T5 v1.1 / T5-XXL layout (gated GELU: wi_0, wi_1), shrunk: widths that
+# K-quant blocks (256) divide, so every block weight is stored quantized.
+GGUF_T5 = dict(tm.TINY_T5_CONFIG, d_model=256, d_ff=512, d_kv=32, num_heads=8, num_layers=4,
+               dense_act_fn="gelu_pytorch_tanh", is_gated_act=True)
+PROMPT = "a photo of a cat sitting on a red chair, highly detailed"
+
+
+def llama_cpp_t5_names(sd, t5_map):
+    """T5 encoder keys as llama.cpp names them in a .gguf (``enc.blk.0.attn_q.weight``), the
+    inverse of the loader pack's own ``T5_SD_MAP``; every name is checked to map back."""
+    out = {}
+    for k, v in sd.items():
+        name = k
+        for src, dst in reversed(list(t5_map.items())):
+            name = name.replace(dst, src)
+        back = name
+        for src, dst in t5_map.items():
+            back = back.replace(src, dst)
+        assert back == k, (k, name, back)
+        out[name] = v
+    return out
+
+
+def load_gguf_clip(tmp_path, monkeypatch, name, qtype):
+    """A tiny T5 .gguf (arch ``t5encoder``) loaded by ComfyUI-GGUF's ``CLIPLoaderGGUF`` node.
+
+    The host detects a small T5 as T5-base and sizes it from its T5-base config file; the one
+    thing changed in the node's path is that config, given the tiny sizes through the host's
+    own ``t5base_model_config`` option (the weights, the GGML ops and the patcher are the
+    loader pack's)."""
+    import comfy.sd
+    import folder_paths
+    gg = gguf_pack()
+    d = tmp_path / "clip_gguf"
+    d.mkdir(exist_ok=True)
+    sd = tm.tiny_t5_state_dict(seed=0, config=GGUF_T5)
+    raw = llama_cpp_t5_names(sd, gg.loader.T5_SD_MAP)
+    assert any(k.startswith("enc.blk.0.attn_q") for k in raw) and "token_embd.weight" in raw
+    write_gguf(d / name, raw, qtype, arch="t5encoder",
+               quantizable=lambda k, v: k.endswith(".weight") and v.ndim == 2 and min(v.shape) >= 32)
+    folder_paths.add_model_folder_path("text_encoders", str(d))
+    folder_paths.add_model_folder_path("clip", str(d))
+    folder_paths.filename_list_cache.clear() if hasattr(folder_paths, "filename_list_cache") else None
+    real = comfy.sd.load_text_encoder_state_dicts
+
+    def tiny_t5_config(*args, model_options=None, **kwargs):
+        return real(*args, model_options={**(model_options or {}), "t5base_model_config": dict(GGUF_T5)}, **kwargs)
+
+    monkeypatch.setattr(comfy.sd, "load_text_encoder_state_dicts", tiny_t5_config)
+    try:
+        return gg.nodes.CLIPLoaderGGUF().load_clip(name, type="stable_audio")[0]
+    finally:
+        monkeypatch.setattr(comfy.sd, "load_text_encoder_state_dicts", real)
+
+
+def tight_clip_budget(max_vram, c, tokens):
+    """From a measured plan at a generous budget: what must stay resident (the token
+    embedding), a window of 2.5 of the largest other block, the activations and a little;
+    everything else streams."""
+    (_, probe, _), payload = max_vram(1.0, clip=c)
+    with torch.inference_mode():
+        probe.encode_from_tokens(tokens)
+    plan_json = payload["models"][0]["plan"]
+    units = plan_json["units"]
+    pinned = sum(u["weight_bytes"] for u in units if u["pinned"])
+    rest = max(u["weight_bytes"] for u in units if not u["pinned"])
+    return (pinned + 2.5 * rest + plan_json["activation_reserve_bytes"] + (64 << 10)) / GIB
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gguf_text_encoder_encodes_bit_exact_with_stored_bytes_in_budget(comfy, tmp_path, monkeypatch,
+                                                                         max_vram, pack, qtype):
+    c = load_gguf_clip(tmp_path, monkeypatch, f"tiny_t5_{qtype}.gguf", qtype)
+    module = c.cond_stage_model
+    quant = [p for p in module.parameters() if getattr(p, "tensor_type", None) is not None
+             and p.tensor_type.name == qtype]
+    assert len(quant) >= 4 * 7, f"the loader kept {len(quant)} {qtype} weights"
+    tokens = c.tokenize(PROMPT)
+    with torch.inference_mode():
+        ref = c.encode_from_tokens(tokens)
+    snap = snapshot(module)
+    (_, patched, _), payload = max_vram(tight_clip_budget(max_vram, c, tokens), clip=c)
+    # the loader pack's patcher behaviour is kept under VRAMCut's
+    assert type(patched.patcher).__name__.startswith("VRAMCut")
+    assert isinstance(patched.patcher, gguf_pack().nodes.GGUFModelPatcher)
+    with torch.inference_mode():
+        out = patched.encode_from_tokens(tokens)
+    assert torch.equal(out, ref), f"{qtype}: max diff {(out - ref).abs().max()}"
+    assert_same(module, snap)
+    plan = payload["models"][0]["plan"]
+    assert plan["measured"] and plan["streamed_bytes_per_forward"] > 0
+    assert not any("cannot be taken apart" in w for w in plan["warnings"]), plan["warnings"]
+    assert plan["stats"]["peak_device_bytes"] <= plan["budget_bytes"], "measured peak over budget"
+    state = pack.nodes.host.state_of(patched.patcher)
+    (engine,) = state._engines.values()
+    for u in engine.unitset.units:  # the stored bytes, one flat copy per unit
+        assert engine.executor.layout(u.name).other == [], f"{u.name} has tensors moved one by one"
+        assert engine.executor.unit_device_bytes(u.name) <= u.weight_bytes + 256 * len(u.tensors) * 3
+    print(f"\nCLIP {qtype}: units {[(u.name, engine.executor.unit_device_bytes(u.name)) for u in engine.unitset.units]}"
+          f" budget {plan['budget_bytes']} plan peak {plan['peak_bytes']}"
+          f" measured peak {plan['stats']['peak_device_bytes']}")
+
+
+@pytest.mark.parametrize("budget", ["all_resident", "streamed"])
+@pytest.mark.parametrize("order", ["lora_then_vramcut", "vramcut_then_lora"])
+def test_gguf_text_encoder_lora_before_or_after_the_node(comfy, tmp_path, monkeypatch, max_vram, order, budget):
+    """The LoRA reaches the quantized weights (the loader pack keeps it on each weight and
+    applies it when it dequantises) and the plain ones (the relative attention bias, which the
+    loader pack's patcher merges on the host at every load), once, at every encode: the host
+    skips modules an earlier full load marked for casting, and its forced merge would stack on
+    the last one, unless VRAMCut's load starts each module clean."""
+    import comfy.sd
+
+    c = load_gguf_clip(tmp_path, monkeypatch, "tiny_t5_lora_Q8_0.gguf", "Q8_0")
+    # ComfyUI maps "text_encoders.<state dict key>" LoRA keys onto a CLIP's weights; the
+    # shapes are the unquantized ones
+    lora = tm.tiny_lora_for(tm.tiny_t5_state_dict(seed=0, config=GGUF_T5), seed=5,
+                            prefix="text_encoders.t5base.transformer.", key_filter=lambda k: ".block." in k)
+    tokens = c.tokenize(PROMPT)
+    _, with_lora = comfy.sd.load_lora_for_models(None, c, lora, 0.0, 1.0)
+    with torch.inference_mode():
+        ref, plain = with_lora.encode_from_tokens(tokens), c.encode_from_tokens(tokens)
+    assert not torch.equal(ref, plain), "the LoRA must matter"
+    assert any("relative_attention_bias" in k for k in lora), "a plain weight is patched too"
+    gb = 1.0 if budget == "all_resident" else tight_clip_budget(max_vram, c, tokens)
+    if order == "lora_then_vramcut":
+        (_, patched, _), _ = max_vram(gb, clip=with_lora)
+    else:
+        (_, p0, _), _ = max_vram(gb, clip=c)
+        _, patched = comfy.sd.load_lora_for_models(None, p0, lora, 0.0, 1.0)
+        assert type(patched).__name__ == "VRAMCutCLIP"
+    with torch.inference_mode():
+        for call in ("first", "second"):
+            out = patched.encode_from_tokens(tokens)
+            assert torch.equal(out, ref), (f"{call} encode: max diff {(out - ref).abs().max()}, "
+                                           f"to the CLIP without LoRA {(out - plain).abs().max()}")
+        assert torch.equal(c.encode_from_tokens(tokens), plain), "the plain CLIP must stay plain"
+        assert torch.equal(with_lora.encode_from_tokens(tokens), ref), "the LoRA CLIP must stay as it was"
