@@ -7,8 +7,9 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   ``cudaHostRegister`` where possible; the parameters then live there, so that buffer *is* the
   master: no second host copy, and nothing is ever copied back on eviction. On CPU, or where
   pinning fails, the tensors are their own masters and are copied one by one.
-* Device memory it owns. Resident units get one flat device buffer each; streamed units cycle
-  through (at most) two slot buffers of the plan's slot size. Every byte placed on the device is
+* Device memory it owns. Resident units get one flat device buffer each; streamed segments
+  (adjacent streamed units the plan merged) cycle through (at most) two slot buffers of the
+  plan's slot size, a segment's units back to back in one slot. Every byte placed on the device is
   counted (``device_bytes``, ``peak_weight_bytes``).
 * Pointer swaps. While a unit's weights are on the device, its parameters' ``.data`` point at
   views of the executor's buffers; quantized tensor subclasses are taken apart into their inner
@@ -21,8 +22,10 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   forward hooks every module that reads a unit's tensors; other forwards hook only streamed
   units, at their roots where every measuring forward saw the unit's modules run inside a root's
   call (else at every module, as a UNet's timestep-embed sequential needs). Entering a streamed
-  unit waits for its copy (or loads it then), and starts copying the next streamed unit into
-  the other slot.
+  unit waits for its segment's copy (or loads the segment then), and starts copying the next
+  streamed segment into the other slot.
+* One transfer per segment. A segment's units are copied one after another (on CUDA from each
+  unit's own host master) between one wait and one event, which all its units share.
 * Prefetch (CUDA). Copies run on a side stream. Compute waits only on the event of the copy it
   needs, and a copy into a slot first waits on an event recorded on the compute stream, so it
   never overwrites weights that queued kernels still read.
