@@ -621,8 +621,13 @@ class SegmentedExecutor:
             nxt[u.name] = upcoming
             if u.name in self._group_of:
                 upcoming = self._group_of[u.name]
+        # A forward that loops over streamed units (a video VAE, frame by frame) does not start
+        # its next pass at the first group: wrapping there would copy it for nothing (the pass
+        # loads what it enters; the next forward's first group is prefetched after this one).
+        loops = any(u.calls > 1 for u in plan.units if u.name in self._group_of)
         for g in groups:
-            after = groups[(pos[g] + 1) % len(groups)] if len(groups) > 1 else None
+            last = pos[g] + 1 == len(groups)
+            after = None if len(groups) < 2 or (loops and last) else groups[(pos[g] + 1) % len(groups)]
             for n in g:
                 nxt[n] = after
         self._next = nxt
