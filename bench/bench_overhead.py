@@ -98,8 +98,9 @@ def main() -> int:
     print(f"plain forward                 {med['plain'] * 1e3:7.2f} ms")
     for k in engines:
         d = [r - p for r, p in zip(rows[k], rows["plain"])]
+        plan = engines[k].last_plan
         print(f"VRAMCut, {k:20s} {med[k] * 1e3:7.2f} ms  (+{statistics.median(d) * 1e3:.2f} ms per forward; "
-              f"{hooks[k]} forward pre-hooks on the module)")
+              f"{hooks[k]} forward pre-hooks on the module; {plan.transfers_per_forward} transfers per forward)")
     print(f"VRAMCut, all resident, the forward replaced by a no-op: {med['no-op'] * 1e3:.3f} ms per call "
           f"(the engine's own work)")
     return 0

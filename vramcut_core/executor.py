@@ -7,8 +7,9 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   ``cudaHostRegister`` where possible; the parameters then live there, so that buffer *is* the
   master: no second host copy, and nothing is ever copied back on eviction. On CPU, or where
   pinning fails, the tensors are their own masters and are copied one by one.
-* Device memory it owns. Resident units get one flat device buffer each; streamed units cycle
-  through (at most) two slot buffers of the plan's slot size. Every byte placed on the device is
+* Device memory it owns. Resident units get one flat device buffer each; streamed segments
+  (adjacent streamed units the plan merged) cycle through (at most) two slot buffers of the
+  plan's slot size, a segment's units back to back in one slot. Every byte placed on the device is
   counted (``device_bytes``, ``peak_weight_bytes``).
 * Pointer swaps. While a unit's weights are on the device, its parameters' ``.data`` point at
   views of the executor's buffers; quantized tensor subclasses are taken apart into their inner
@@ -21,8 +22,10 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   forward hooks every module that reads a unit's tensors; other forwards hook only streamed
   units, at their roots where every measuring forward saw the unit's modules run inside a root's
   call (else at every module, as a UNet's timestep-embed sequential needs). Entering a streamed
-  unit waits for its copy (or loads it then), and starts copying the next streamed unit into
-  the other slot.
+  unit waits for its segment's copy (or loads the segment then), and starts copying the next
+  streamed segment into the other slot.
+* One transfer per segment. A segment's units are copied one after another (on CUDA from each
+  unit's own host master) between one wait and one event, which all its units share.
 * Prefetch (CUDA). Copies run on a side stream. Compute waits only on the event of the copy it
   needs, and a copy into a slot first waits on an event recorded on the compute stream, so it
   never overwrites weights that queued kernels still read.
@@ -95,9 +98,9 @@ def _layout(unit: Unit) -> _Layout:
     return _Layout(flat, other, off, other_bytes, qparts)
 
 
-def _quant_views(buf: torch.Tensor, t: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Views of ``buf`` shaped like the parts of quantized tensor ``t``."""
-    return [_view(buf, off, n, p) for (off, n), p in zip(spans, quant.parts(t))]
+def _quant_views(buf: torch.Tensor, t: torch.Tensor, spans: list[tuple[int, int]], base: int = 0) -> list[torch.Tensor]:
+    """Views of ``buf`` (from byte ``base``) shaped like the parts of quantized tensor ``t``."""
+    return [_view(buf, base + off, n, p) for (off, n), p in zip(spans, quant.parts(t))]
 
 
 def _view(buf: torch.Tensor, off: int, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -268,7 +271,8 @@ class _HostMaster:
 
 
 class _DeviceCopy:
-    """A unit's weights on the device: views into a flat buffer plus subclass tensors."""
+    """A unit's weights on the device: views into a flat buffer plus subclass tensors. Units
+    copied together (a streamed segment) share one ``ready`` event."""
 
     def __init__(self) -> None:
         self.unit: str | None = None
@@ -280,8 +284,15 @@ class _DeviceCopy:
 
 @dataclasses.dataclass
 class _Slot:
+    """A streaming slot: one buffer holding the copies of one streamed segment's units, back to
+    back, in execution order."""
+
     buf: torch.Tensor
-    copy: _DeviceCopy
+    copies: dict[str, _DeviceCopy] = dataclasses.field(default_factory=dict)
+
+    @property
+    def group(self) -> tuple[str, ...] | None:
+        return tuple(self.copies) or None
 
 
 class SegmentedExecutor:
@@ -314,10 +325,11 @@ class SegmentedExecutor:
         self._running = False
         # per-forward state
         self._plan: Plan | None = None
-        self._next: dict[str, str | None] = {}
+        self._next: dict[str, tuple[str, ...] | None] = {}   # unit -> the streamed group to prefetch
+        self._group_of: dict[str, tuple[str, ...]] = {}       # streamed unit -> its segment's units
         self._resident_names: set[str] = set()
         self._current: str | None = None
-        self._last_streamed: str | None = None
+        self._last_streamed: tuple[str, ...] | None = None   # the streamed group running
         self._stats: RunStats | None = None
         self._meter: Meter | None = None
         self._meas: dict[str, UnitMeasurement] | None = None
@@ -577,13 +589,15 @@ class SegmentedExecutor:
     def _begin(self, plan: Plan) -> None:
         self._plan = plan
         resident = set(plan.resident_units)
+        groups = plan.streamed_groups
         # free what the new plan no longer keeps, before allocating anything new (helpers, so
         # that no local variable keeps a freed buffer alive)
         freed = self._free_unkept(resident, plan)
         if self._stale_copies:
-            self._drop_slot_copies(lambda _n: True)
-        else:  # a unit the new plan keeps resident must not also sit in a slot
-            self._drop_slot_copies(lambda n: n in resident)
+            self._drop_slot_copies(lambda _g: True)
+        else:  # a unit the new plan keeps resident must not also sit in a slot; groups it cuts
+            kept = set(groups)  # differently are copied again
+            self._drop_slot_copies(lambda g: g not in kept or any(n in resident for n in g))
         if freed and self.cuda:
             torch.cuda.empty_cache()  # hazard: the freed blocks stay reserved next to the new ones
         self._resident_names = resident
@@ -591,36 +605,45 @@ class SegmentedExecutor:
         for name in plan.resident_units:
             if name not in self._resident:
                 buf = self._alloc(self.layout(name).nbytes)
-                self._resident[name] = (buf, self._load(name, buf, sync=True))
+                self._resident[name] = (buf, self._load((name,), buf, sync=True)[name])
                 del buf
             elif self._stale_copies:  # the host wrote into the masters: copy them again
                 self._reload_resident(name)
         self._stale_copies = False
         while len(self._slots) < want_slots:
-            self._slots.append(_Slot(self._alloc(plan.slot_bytes), _DeviceCopy()))
-        order = plan.streamed_order
-        nxt: dict[str, str | None] = {}
-        # next streamed unit after each unit, in execution order (wrapping to the first)
-        names = [u.name for u in plan.units]
-        pos = {n: i for i, n in enumerate(order)}
-        upcoming = order[0] if order else None
-        for name in reversed(names):
-            nxt[name] = upcoming
-            if name in pos:
-                upcoming = name
-        for name in names:
-            if name in pos:
-                nxt[name] = order[(pos[name] + 1) % len(order)] if len(order) > 1 else None
+            self._slots.append(_Slot(self._alloc(plan.slot_bytes)))
+        self._group_of = {n: g for g in groups for n in g}
+        pos = {g: i for i, g in enumerate(groups)}
+        nxt: dict[str, tuple[str, ...] | None] = {}
+        # the next streamed group after each unit, in execution order (wrapping to the first)
+        upcoming = groups[0] if groups else None
+        for u in reversed(plan.units):
+            nxt[u.name] = upcoming
+            if u.name in self._group_of:
+                upcoming = self._group_of[u.name]
+        # A forward that loops over streamed units (a video VAE, frame by frame) does not start
+        # its next pass at the first group: wrapping there would copy it for nothing (the pass
+        # loads what it enters; the next forward's first group is prefetched after this one).
+        loops = any(u.calls > 1 for u in plan.units if u.name in self._group_of)
+        for g in groups:
+            last = pos[g] + 1 == len(groups)
+            after = None if len(groups) < 2 or (loops and last) else groups[(pos[g] + 1) % len(groups)]
+            for n in g:
+                nxt[n] = after
         self._next = nxt
         for name, (_, dc) in self._resident.items():
             self._swap_in(name, dc)
             self._loaded(name, dc)
         for s in self._slots:
-            if s.copy.unit is not None:
-                self._swap_in(s.copy.unit, s.copy)
-        if (order and plan.slots and self._slot_of(order[0]) is None
-                and self.layout(order[0]).nbytes <= plan.slot_bytes):  # a measuring slot may not hold it
-            self._load_into_slot(order[0], self._slots[0], sync=not self.cuda)
+            for n, dc in s.copies.items():
+                self._swap_in(n, dc)
+        if (groups and plan.slots and self._slot_of(groups[0][0]) is None
+                and self._group_bytes(groups[0]) <= plan.slot_bytes):  # a measuring slot may not hold it
+            self._load_into_slot(groups[0], self._slots[0], sync=not self.cuda)
+
+    def _group_bytes(self, group: tuple[str, ...]) -> int:
+        """Flat bytes of units copied back to back (each layout is aligned)."""
+        return sum(self.layout(n).nbytes for n in group)
 
     def _free_unkept(self, resident: set, plan: Plan) -> bool:
         freed = False
@@ -632,21 +655,24 @@ class SegmentedExecutor:
             if self.cuda:
                 self._copy_stream.synchronize()  # hazard: freeing a slot a prefetch still writes
             for s in self._slots:
-                self._account(-s.buf.numel() - self._other_bytes(s.copy))
+                self._account(-s.buf.numel() - self._slot_other_bytes(s))
             self._slots = []
             freed = True
         return freed
 
-    def _drop_slot_copies(self, drop: Callable[[str], bool]) -> None:
+    def _drop_slot_copies(self, drop: Callable[[tuple[str, ...]], bool]) -> None:
         for s in self._slots:
-            if s.copy.unit is not None and drop(s.copy.unit):
-                self._account(-self._other_bytes(s.copy))
-                s.copy = _DeviceCopy()
+            if s.copies and drop(s.group):
+                self._account(-self._slot_other_bytes(s))
+                s.copies = {}
+
+    def _slot_other_bytes(self, slot: _Slot) -> int:
+        return sum(self._other_bytes(dc) for dc in slot.copies.values())
 
     def _reload_resident(self, name: str) -> None:
         buf, dc = self._resident[name]
         self._account(-self._other_bytes(dc))
-        self._resident[name] = (buf, self._load(name, buf, sync=True))
+        self._resident[name] = (buf, self._load((name,), buf, sync=True)[name])
 
     def _other_bytes(self, dc: _DeviceCopy) -> int:
         if dc.unit is None:
@@ -676,17 +702,18 @@ class SegmentedExecutor:
             self._masters[name] = m
         return m
 
-    def _load(self, name: str, buf: torch.Tensor, sync: bool) -> _DeviceCopy:
-        """Copy unit ``name``'s weights into ``buf`` (and subclass tensors next to it)."""
-        unit, lay = self._unit(name), self.layout(name)
-        dc = _DeviceCopy()
-        dc.unit = name
-        streamed = name not in self._resident_names
-        master = self._master(name) if streamed else None
+    def _load(self, names: tuple[str, ...], buf: torch.Tensor, sync: bool) -> dict[str, _DeviceCopy]:
+        """Copy the weights of units ``names`` back to back into ``buf`` (subclass tensors next
+        to it): one transfer. On CUDA the copies are issued one after another on the copy stream
+        (from each unit's own host master) between one wait and one event, which every unit's
+        copy shares."""
         ctx = self._meter.paused() if isinstance(self._meter, CPUMeter) else contextlib.nullcontext()
         t0 = time.perf_counter()
+        out: dict[str, _DeviceCopy] = {}
+        masters = {n: self._master(n) if n not in self._resident_names else None for n in names}
         with ctx:
             stream_ctx = torch.cuda.stream(self._copy_stream) if self.cuda else contextlib.nullcontext()
+            compute = None
             if self.cuda:
                 compute = torch.cuda.current_stream(self.device)
                 # The slot may still be read by kernels queued on the compute stream (or be
@@ -695,61 +722,75 @@ class SegmentedExecutor:
                 ev = torch.cuda.Event()
                 ev.record(compute)
                 ev_start = torch.cuda.Event(enable_timing=True)
-            src_buf, async_ok = None, False
-            if master is not None and lay.nbytes:
-                # a pageable master would make the copy wait for the compute stream on the host
-                src_buf, async_ok = (master.buf, True) if master.pinned else _staged(master.buf, self._place)
             with stream_ctx:
                 if self.cuda:
                     # hazard: overwriting a slot that queued kernels (compute or host readers) still read
                     self._copy_stream.wait_event(ev)
                     ev_start.record(self._copy_stream)
-                if src_buf is not None:
-                    buf[:lay.nbytes].copy_(src_buf, non_blocking=async_ok)
-                    for i, off, n in lay.flat:
-                        dc.views[i] = _view(buf, off, n, unit.tensors[i].tensor)
-                    for i, spans in lay.quant.items():
-                        dc.parts[i] = _quant_views(buf, unit.tensors[i].tensor, spans)
-                else:
-                    for i, off, n in lay.flat:
-                        src = self._host(name, i)
-                        v = _view(buf, off, n, src)
-                        v.copy_(src, non_blocking=self.cuda)
-                        dc.views[i] = v
-                    for i, spans in lay.quant.items():
-                        t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
-                        views = _quant_views(buf, t, spans)
-                        for v, p in zip(views, quant.parts(t)):
-                            v.copy_(p, non_blocking=self.cuda)
-                        dc.parts[i] = views
-                for i in lay.other:
-                    src = self._host(name, i)
-                    dev = src.to(self._place, non_blocking=self.cuda, copy=True)
-                    if self.cuda:
-                        # allocated on the copy stream, used on the compute stream: keep the
-                        # allocator from reusing it before compute is done with it
-                        dev.record_stream(compute)
-                    dc.views[i] = dev
+                base = 0
+                for name in names:
+                    out[name] = self._copy_unit(name, buf, base, masters[name], compute)
+                    base += self.layout(name).nbytes
                 if self.cuda:
                     done = torch.cuda.Event(enable_timing=True)
                     done.record(self._copy_stream)
-                    dc.ready = done
+                    for dc in out.values():
+                        dc.ready = done
                     self._events.append((ev_start, done))
-                    if master is not None:
-                        master.read_by(self._copy_stream, done)
-            del src_buf  # a staging buffer goes back to torch's host cache (reused after the copy)
-        if lay.other:
-            self._account(lay.other_bytes)
+                    for m in masters.values():
+                        if m is not None:
+                            m.read_by(self._copy_stream, done)
+        other = sum(self.layout(n).other_bytes for n in names)
+        if other:
+            self._account(other)
         st = self._stats
         if st is not None:
             st.copies += 1
-            if streamed:
-                st.bytes_streamed += lay.nbytes + lay.other_bytes
+            st.bytes_streamed += sum(self.unit_device_bytes(n) for n in names if n not in self._resident_names)
             if not self.cuda:
                 st.time_copy_s += time.perf_counter() - t0
         if self.cuda and sync:
-            self._order_readers(dc.ready)
-        return dc
+            self._order_readers(done)
+        return out
+
+    def _copy_unit(self, name: str, buf: torch.Tensor, base: int, master: _HostMaster | None,
+                   compute) -> _DeviceCopy:
+        """Issue the copies of one unit's weights into ``buf`` from byte ``base`` (on CUDA on the
+        copy stream, which the caller has made current; ``compute`` is the stream that reads)."""
+        unit, lay = self._unit(name), self.layout(name)
+        dc = _DeviceCopy()
+        dc.unit = name
+        src_buf, async_ok = None, False
+        if master is not None and lay.nbytes:
+            # a pageable master would make the copy wait for the compute stream on the host
+            src_buf, async_ok = (master.buf, True) if master.pinned else _staged(master.buf, self._place)
+        if src_buf is not None:
+            buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
+            for i, off, n in lay.flat:
+                dc.views[i] = _view(buf, base + off, n, unit.tensors[i].tensor)
+            for i, spans in lay.quant.items():
+                dc.parts[i] = _quant_views(buf, unit.tensors[i].tensor, spans, base)
+        else:
+            for i, off, n in lay.flat:
+                src = self._host(name, i)
+                v = _view(buf, base + off, n, src)
+                v.copy_(src, non_blocking=self.cuda)
+                dc.views[i] = v
+            for i, spans in lay.quant.items():
+                t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
+                views = _quant_views(buf, t, spans, base)
+                for v, p in zip(views, quant.parts(t)):
+                    v.copy_(p, non_blocking=self.cuda)
+                dc.parts[i] = views
+        for i in lay.other:
+            src = self._host(name, i)
+            dev = src.to(self._place, non_blocking=self.cuda, copy=True)
+            if self.cuda:
+                # allocated on the copy stream, used on the compute stream: keep the
+                # allocator from reusing it before compute is done with it
+                dev.record_stream(compute)
+            dc.views[i] = dev
+        return dc  # a staging buffer goes back to torch's host cache (reused after the copy)
 
     def _order_readers(self, ready) -> None:
         """Every stream that reads the weights waits for the copy that put them there."""
@@ -820,40 +861,42 @@ class SegmentedExecutor:
 
     def _slot_of(self, name: str) -> _Slot | None:
         for s in self._slots:
-            if s.copy.unit == name:
+            if name in s.copies:
                 return s
         return None
 
-    def _load_into_slot(self, name: str, slot: _Slot, sync: bool, swap: bool = True) -> None:
-        """Copy a unit into a slot, evicting what it held (nothing is copied back: the host
-        copy is the master). ``swap`` points the unit's tensors at the slot right away."""
-        if self.layout(name).nbytes > slot.buf.numel():
+    def _load_into_slot(self, group: tuple[str, ...], slot: _Slot, sync: bool, swap: bool = True) -> None:
+        """Copy a streamed group (one segment's units) into a slot as one transfer, evicting what
+        it held (nothing is copied back: the host copy is the master). ``swap`` points the units'
+        tensors at the slot right away."""
+        if self._group_bytes(group) > slot.buf.numel():
             # a measuring plan sizes its slot over the units that can fit: this one cannot
+            name = max(group, key=self.unit_device_bytes)
             raise OverBudget("weights", name, self.unit_device_bytes(name), self._act_seen,
                              self._plan.budget_bytes if self._plan else 0)
-        old = slot.copy.unit
-        if old is not None:
+        for old in slot.copies:
             self._swap_out(old)
-            self._account(-self._other_bytes(slot.copy))
-        slot.copy = _DeviceCopy()
-        slot.copy = self._load(name, slot.buf, sync=sync)
+        self._account(-self._slot_other_bytes(slot))
+        slot.copies = {}
+        slot.copies = self._load(group, slot.buf, sync=sync)
         if swap:
-            self._swap_in(name, slot.copy)
+            for n, dc in slot.copies.items():
+                self._swap_in(n, dc)
 
     def _prefetch_first(self, plan: Plan) -> None:
-        order = plan.streamed_order
-        if not order or self._slot_of(order[0]) is not None or len(self._slots) < 2:
+        groups = plan.streamed_groups
+        if not groups or self._slot_of(groups[0][0]) is not None or len(self._slots) < 2:
             return
         # after the forward: the tensors stay on their masters until the next forward starts
-        self._load_into_slot(order[0], self._other_slot(self._last_streamed), sync=False, swap=False)
+        self._load_into_slot(groups[0], self._other_slot(self._last_streamed), sync=False, swap=False)
 
-    def _other_slot(self, busy: str | None) -> _Slot:
-        """A slot not holding ``busy`` (the unit running or just run)."""
+    def _other_slot(self, busy: tuple[str, ...] | None) -> _Slot:
+        """A slot not holding ``busy`` (the group running or just run)."""
         for s in self._slots:
-            if s.copy.unit is None:
+            if not s.copies:
                 return s
         for s in self._slots:
-            if s.copy.unit != busy:
+            if s.group != busy:
                 return s
         return self._slots[0]
 
@@ -882,25 +925,27 @@ class SegmentedExecutor:
         if name not in self._resident_names:
             slot = self._slot_of(name)
             if slot is None:
-                # not prefetched (first forward, a skipped or repeated block): load it now
+                # not prefetched (first forward, a skipped or repeated block): load its group now
                 if self._stats is not None:
                     self._stats.sync_loads += 1
                 slot = self._other_slot(self._last_streamed)
                 a = self._cuda_mark()
-                self._load_into_slot(name, slot, sync=True)
+                self._load_into_slot(self._group_of.get(name, (name,)), slot, sync=True)
                 if a is not None:
                     self._waits.append((a, self._cuda_mark()))
-            elif self.cuda and slot.copy.ready is not None:
+            elif self.cuda and slot.copies[name].ready is not None:
+                ready = slot.copies[name].ready
                 # compute must not read the slot before its copy has landed
-                if not slot.copy.ready.query():
+                if not ready.query():
                     a = self._cuda_mark()
-                    self._order_readers(slot.copy.ready)
+                    self._order_readers(ready)
                     self._waits.append((a, self._cuda_mark()))
-                slot.copy.ready = None
-            self._last_streamed = name
-            self._loaded(name, slot.copy)
+                for dc in slot.copies.values():  # one event for the group: ordered for all of it
+                    dc.ready = None
+            self._last_streamed = slot.group
+            self._loaded(name, slot.copies[name])
         nxt = self._next.get(name)
-        if nxt is not None and len(self._slots) >= 2 and self._slot_of(nxt) is None:
+        if nxt is not None and len(self._slots) >= 2 and self._slot_of(nxt[0]) is None:
             self._load_into_slot(nxt, self._other_slot(self._last_streamed), sync=not self.cuda)
 
     def _loaded(self, name: str, dc: _DeviceCopy) -> None:

@@ -9,18 +9,38 @@ The peak a plan promises is::
 
     resident weights + window (slots x slot size) + activation reserve
 
-where the window is the segment running plus the one being prefetched (two slots, each the size
-of the largest streamed unit) and the activation reserve is the most live activation bytes any
-unit saw in a measured forward (cut tensors and skip connections included). Units are made
-resident in a fixed priority order (pinned first, units a measured forward never ran last,
-largest first, ties by execution order),
-as many as fit, so that a larger budget never streams more bytes and never gives more segments.
+where the window is the segment running plus the one being prefetched (two slots) and the
+activation reserve is the most live activation bytes any unit saw in a measured forward (cut
+tensors and skip connections included). The plan minimises its cost within the budget: bytes
+streamed per forward first, then transfers per forward.
+
+* Residency. Units are made resident in a fixed priority order (pinned first, units a measured
+  forward never ran last, largest first, ties by execution order), as many as fit after reserving
+  a window of slots each the size of the largest unit left streaming. Then, in the room that
+  window leaves, small units (at most ``SMALL_SHARE`` of the spare room, smallest first) that
+  would each be a transfer of their own are kept resident too: each removes a transfer and
+  streams fewer bytes. The spare room is ``budget - resident - activation reserve``.
+* Slot size. A slot is at least the largest streamed unit and grows to ``WINDOW_SHARE`` of the
+  spare room where the room allows, so that several units share one transfer.
+* Merged streamed segments. Adjacent streamed units (in execution order) are merged greedily into
+  one segment while it fits the slot: one copy, one event, one wait. Units a forward never enters
+  and looped units (entered more than once per forward) stay segments of their own.
+
+A larger budget never streams more bytes, and at equal streamed bytes never needs more transfers.
+It can need more transfers when it streams fewer bytes (a 100 MiB unit and four 10 MiB units:
+119 MiB streams 140 MiB in 2 transfers through one slot; 125 MiB keeps the 100 MiB unit resident
+and streams 40 MiB in 4).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from typing import Callable, Sequence
+
+
+WINDOW_SHARE = 1 / 4   # a slot grows to this share of the spare room (more units per transfer)
+SMALL_SHARE = 1 / 64   # a unit this small against the spare room is kept resident first when that
+                       # removes a transfer
 
 
 class BudgetError(ValueError):
@@ -110,6 +130,21 @@ class Plan:
                    if not s.resident for i in s.units if self.units[i].entered)
 
     @property
+    def transfers_per_forward(self) -> int:
+        """Copies per forward: one per streamed segment a forward enters, once per pass for a
+        looped unit (it is a segment of its own)."""
+        return sum(max(self.units[i].calls for i in s.units if self.units[i].entered)
+                   for s in self.segments if not s.resident
+                   and any(self.units[i].entered for i in s.units))
+
+    @property
+    def streamed_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The units of each streamed segment a forward enters (copied together), in the order
+        they are fetched."""
+        return tuple(g for s in self.segments if not s.resident
+                     for g in [tuple(self.units[i].name for i in s.units if self.units[i].entered)] if g)
+
+    @property
     def resident_units(self) -> tuple[str, ...]:
         return tuple(self.units[i].name for s in self.segments if s.resident for i in s.units)
 
@@ -165,6 +200,33 @@ def _priority(units: Sequence[PlanUnit]) -> list[int]:
                                                   -units[i].weight_bytes, i))
 
 
+def _mergeable(u: PlanUnit) -> bool:
+    """Can the unit share a streamed segment with its neighbours? Not when a forward never enters
+    it (it is never loaded) or enters it more than once (it is copied on every pass)."""
+    return u.entered and u.calls == 1 and not u.pinned
+
+
+def _lone(units: Sequence[PlanUnit], resident: set[int], i: int) -> bool:
+    """Would streamed unit ``i`` be a segment of its own (no streamed neighbour to merge with)?"""
+    return all(not (0 <= j < len(units)) or j in resident or not _mergeable(units[j]) for j in (i - 1, i + 1))
+
+
+def _small_residents(units: Sequence[PlanUnit], resident: set[int], room: int, spare: int) -> set[int]:
+    """Small units kept resident in ``room`` bytes, smallest first: each would be a transfer of its
+    own, so keeping it removes a transfer and streams fewer bytes. Taken while they fit (a prefix
+    of the smallest-first order: a larger room keeps a superset)."""
+    small = sorted((units[i].weight_bytes, i) for i in range(len(units))
+                   if i not in resident and _mergeable(units[i])
+                   and units[i].weight_bytes <= spare * SMALL_SHARE and _lone(units, resident, i))
+    out: set[int] = set()
+    for w, i in small:
+        if w > room:
+            break  # smallest first: nothing later fits either
+        out.add(i)
+        room -= w
+    return out
+
+
 def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOptions
                      ) -> tuple[set[int], int, int]:
     """Resident unit indices, slot count and slot size for the budget.
@@ -192,13 +254,14 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
     last = n if options.residency else n_pinned
     slots = 2 if options.prefetch else 1
     best = None
+    tight = False
     for k in range(n_pinned, last + 1):
         if need(k, slots) <= budget:
             best = k
     if options.residency and need(n, 0) <= budget:
         best = n  # everything resident
     if best is None and slots == 2 and need(n_pinned, 1) <= budget:
-        slots, best = 1, n_pinned  # tight: no room for prefetch, nothing beyond pinned resident
+        slots, best, tight = 1, n_pinned, True  # no room for prefetch, nothing beyond pinned resident
     if best is None:
         if n_pinned and prefix[n_pinned] + act > budget:
             big = max(range(n), key=lambda i: (units[i].pinned, units[i].weight_bytes))
@@ -207,7 +270,46 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
         big = max(streamed, key=lambda i: (units[i].entered, units[i].weight_bytes))
         raise _Infeasible(big, need(n_pinned, 1))
     resident = set(order[:best])
-    return resident, (slots if best < n else 0), suffix[best]
+    if best == n:
+        return resident, 0, 0
+    spare = budget - prefix[best] - act
+    room = spare - slots * suffix[best]  # what the smallest window leaves (less than the next unit)
+    if options.residency and not tight:
+        extra = _small_residents(units, resident, room, spare)
+        resident |= extra
+        room -= sum(units[i].weight_bytes for i in extra)
+    base = max((units[i].weight_bytes for i in range(n) if i not in resident and units[i].entered), default=0)
+    if not base:
+        return resident, slots, 0  # nothing a forward enters streams
+    grown = min(int(spare * WINDOW_SHARE), (room + slots * suffix[best]) // slots)
+    return resident, slots, max(base, grown)
+
+
+def merge_streamed(units: Sequence[PlanUnit], resident: set[int], slot_bytes: int) -> list[tuple[list[int], bool]]:
+    """Segments in execution order, as (unit indices, resident): resident runs merged, adjacent
+    streamed units merged greedily while the segment fits ``slot_bytes`` (next fit: the fewest
+    segments for a run, and never more for a larger slot)."""
+    segs: list[tuple[list[int], bool]] = []
+    cur: list[int] = []
+    cur_res: bool | None = None
+    cur_bytes = 0
+    for i, u in enumerate(units):
+        res = i in resident
+        if res:
+            if cur and cur_res:
+                cur.append(i)
+                continue
+        elif (cur and cur_res is False and _mergeable(u) and _mergeable(units[cur[-1]])
+              and cur_bytes + u.weight_bytes <= slot_bytes):
+            cur.append(i)
+            cur_bytes += u.weight_bytes
+            continue
+        if cur:
+            segs.append((cur, bool(cur_res)))
+        cur, cur_res, cur_bytes = [i], res, u.weight_bytes
+    if cur:
+        segs.append((cur, bool(cur_res)))
+    return segs
 
 
 def build_plan(units: Sequence[PlanUnit], budget: int, options: PlanOptions = PlanOptions(),
@@ -218,27 +320,16 @@ def build_plan(units: Sequence[PlanUnit], budget: int, options: PlanOptions = Pl
     resident, slots, slot_bytes = choose_residency(units, budget, options)
     measured = all(u.peak_bytes is not None for u in units)
     fixed = sum(units[i].weight_bytes for i in resident) + slots * slot_bytes
-    segs: list[Segment] = []
-    run: list[int] = []
 
     def seg_of(idx: list[int], res: bool) -> Segment:
         w = sum(units[i].weight_bytes for i in idx)
         a = max((units[i].peak_bytes for i in idx), default=0) if measured else None
         return Segment(tuple(idx), res, w, a, fixed + (a or 0))
 
-    for i in range(len(units)):
-        if i in resident:
-            run.append(i)
-            continue
-        if run:
-            segs.append(seg_of(run, True))
-            run = []
-        segs.append(seg_of([i], False))
-    if run:
-        segs.append(seg_of(run, True))
+    segs = [seg_of(idx, res) for idx, res in merge_streamed(units, resident, slot_bytes)]
     notes = list(warnings)
     if options.prefetch and slots == 1:
-        notes.append("budget leaves no room for prefetch: each streamed unit is copied, then run")
+        notes.append("budget leaves no room for prefetch: each streamed segment is copied, then run")
     return Plan(budget, tuple(units), tuple(segs), slots, slot_bytes, measured, tuple(split), tuple(notes))
 
 

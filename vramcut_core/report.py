@@ -40,6 +40,7 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None) -> dict:
         "budget_bytes": plan.budget_bytes,
         "peak_bytes": plan.peak_bytes,
         "streamed_bytes_per_forward": plan.streamed_bytes_per_forward,
+        "transfers_per_forward": plan.transfers_per_forward,
         "resident_bytes": plan.resident_bytes,
         "window_bytes": plan.window_bytes,
         "slots": plan.slots,
@@ -74,7 +75,8 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
     ``bandwidth`` is ``bandwidth.host_to_device``'s answer. The added time is *measured* when the
     plan carries stats (the time compute waited on copies, per forward; on CPU the copies are
     synchronous, so that is the copy time), else *estimated* as streamed bytes / bandwidth, else
-    None (no bandwidth known)."""
+    None (no bandwidth known). ``transfers_per_forward`` counts the copies those bytes take (a
+    streamed segment is one copy; None for a plan from an older version)."""
     segs = plan_json.get("segments") or []
     streamed = [s for s in segs if not s.get("resident") and not s.get("idle")]
     stats = plan_json.get("stats") or {}
@@ -87,6 +89,7 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
         "blocks": sum(len(s.get("units") or []) for s in segs),
         "blocks_streamed": sum(len(s.get("units") or []) for s in streamed),
         "streamed_bytes_per_forward": sbytes,
+        "transfers_per_forward": plan_json.get("transfers_per_forward"),
         "bandwidth_bytes_per_s": bps,
         "bandwidth_device": (bandwidth or {}).get("device"),
         "bandwidth_source": (bandwidth or {}).get("source"),
@@ -134,7 +137,9 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None) -> 
     out.append(f"budget {fmt_bytes(plan.budget_bytes)} · peak {fmt_bytes(plan.peak_bytes)} = resident "
                f"{fmt_bytes(plan.resident_bytes)} + window {plan.slots}×{fmt_bytes(plan.slot_bytes)} + "
                f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
-    out.append(f"streamed per forward {fmt_bytes(plan.streamed_bytes_per_forward)} · "
+    t = plan.transfers_per_forward
+    out.append(f"streamed per forward {fmt_bytes(plan.streamed_bytes_per_forward)} in {t} "
+               f"transfer{'' if t == 1 else 's'} · "
                f"{sum(1 for s in plan.segments if s.resident)} resident / "
                f"{sum(1 for s in plan.segments if not s.resident)} streamed segments")
     if plan.split:

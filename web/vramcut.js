@@ -5,10 +5,11 @@
 //   - live updates:       api event "vramcut.plan", detail = {node: "<id or a:b:id>", payload: PAYLOAD}
 // PAYLOAD = {budget_bytes, enabled, message, min_budget_bytes?, need_bytes?, models: [{kind, label,
 //            stage, signature, warnings, text, plan: {budget_bytes, peak_bytes,
-//            streamed_bytes_per_forward, resident_bytes, window_bytes, activation_reserve_bytes,
-//            measured, units, segments, stats?, cost?}}]}
+//            streamed_bytes_per_forward, transfers_per_forward, resident_bytes, window_bytes,
+//            activation_reserve_bytes, measured, units, segments, stats?, cost?}}]}
 // plan.cost (vramcut_core/report.py cost_to_json) carries the answer line's figures: fits, blocks
-// streamed, and the time streaming adds per step, measured after a run or estimated before one.
+// streamed, the bytes and transfers (copies) per step, and the time streaming adds per step,
+// measured after a run or estimated before one.
 //
 // A plan is never written into the workflow (node.properties): a run with no edit must not mark
 // a saved workflow as changed. After a reload the plan comes back from the server's /history.
@@ -226,6 +227,11 @@ function costTip(m) {
     lines.push(`copies ${fmtSeconds(c.measured_copy_s_per_forward)} · compute ${fmtSeconds(c.measured_compute_s_per_forward)} per forward`);
   } else {
     lines.push(`Estimate until a run measures it: ${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward ÷ ${bw}.`);
+  }
+  if (Number.isFinite(c.transfers_per_forward) && c.streamed_bytes_per_forward > 0) {
+    const t = c.transfers_per_forward;
+    lines.push(`${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward in ${t} transfer${t === 1 ? "" : "s"} ` +
+      `(adjacent streamed blocks are copied together).`);
   }
   lines.push(`Bandwidth ${bw} (${where}, measured once on this machine).`);
   return lines.join("\n");
@@ -592,8 +598,9 @@ function render(ctx, payload, W, theme, paint, opts = {}) {
     const nRes = segs.filter((s) => s.resident).length;
     const nStr = segs.filter(isStreamed).length;
     const nIdle = segs.filter(isIdle).length;
+    const nCopies = Number(plan.transfers_per_forward);
     let counts = `${prefix ? `${prefix}* · ` : ""}${nRes} resident · ${nStr} streamed` + (nIdle ? ` · ${nIdle} idle` : "") +
-      ` segments`;
+      ` segments` + (Number.isFinite(nCopies) && nCopies > 0 ? ` · ${nCopies} transfer${nCopies === 1 ? "" : "s"} per forward` : "");
     if (m.signature) counts += ` · ${m.signature}`;
     ctx.font = f(12);
     text(fitText(ctx, counts, W), 0, y + 8, theme.muted, f(12));

@@ -303,3 +303,77 @@ def test_hooks_held_between_forwards_do_nothing_for_other_callers_and_go_on_rele
             assert torch.equal(eng.run(model, x), ref)
         assert not any(m._forward_pre_hooks for m in model.modules())
         assert_unchanged(model, snap)
+
+
+# -- merged streamed segments: one transfer per segment ----------------------------------------
+
+def _probe_plan(model, *args):
+    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cpu"))
+    with torch.no_grad():
+        probe.run(model, *args)
+    return probe.last_plan
+
+
+def _merging_budget(model, *args):
+    """With residency off: spare room for slots of a WINDOW_SHARE of it, each two units or more
+    (unit bytes as the executor places them, each tensor aligned)."""
+    p = _probe_plan(model, *args)
+    biggest = max(u.weight_bytes for u in p.units if not u.pinned)
+    return sum(u.weight_bytes for u in p.units if u.pinned) + p.activation_reserve_bytes + 9 * biggest
+
+
+def _grouped(plan):
+    return [g for g in plan.streamed_groups if len(g) > 1]
+
+
+@pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])
+def test_merged_streamed_segments_are_bit_exact_one_copy_each_and_within_the_plan(name, build, inputs):
+    """Everything streamed (residency off) under a budget whose slots hold several units: each
+    streamed segment is one copy per forward, the output is the plain one, and the executor's
+    buffers never pass resident + window (+ subclass tensors moved beside the slots)."""
+    model = build()
+    args = inputs()
+    with torch.no_grad():
+        ref = model(*args)
+        snap = snapshot(model)
+        budget = _merging_budget(model, *args)
+        eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", residency=False,
+                                         track_cpu_memory=True))
+        stats = []
+        with eng.session():
+            for _ in range(4):
+                assert torch.equal(eng.run(model, *args), ref), f"{name}: segmented output differs"
+                stats.append(eng.last_stats)
+                assert_unchanged(model, snap)
+        plan = eng.last_plan
+        assert _grouped(plan), f"{name}: the budget should merge streamed units"
+        assert plan.transfers_per_forward < len(plan.streamed_order)
+        steady = stats[-1]
+        assert steady.sync_loads == 0
+        if len(plan.streamed_groups) > plan.slots:
+            assert steady.copies == plan.transfers_per_forward
+            assert steady.bytes_streamed == plan.streamed_bytes_per_forward
+        else:  # every segment stays in its own slot between forwards: nothing to copy again
+            assert steady.copies <= plan.transfers_per_forward
+        assert eng.stats.peak_weight_bytes <= plan.resident_bytes + plan.window_bytes + _subclass_bytes(model)
+        assert_peak_within_budget(eng.stats, budget)
+        assert eng.executor.device_bytes == 0
+
+
+def test_merged_segments_with_skipped_and_repeated_blocks():
+    """A segment whose first unit is skipped, a block run twice, an early block run again after
+    later ones: each unit finds its weights in its segment's slot."""
+    model = seeded(SkipRepeat())
+    x = ids()
+    with torch.no_grad():
+        budget = _merging_budget(model, x)
+        eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", residency=False))
+        with eng.session():
+            assert torch.equal(eng.run(model, x), model(x))
+            firsts = [g[0] for g in _grouped(eng.last_plan) if g[0].startswith("blocks.")]
+            assert firsts, "the budget should merge blocks"
+            model.skip = {int(firsts[0].split(".")[1])}  # the segment is entered at its second unit
+            for _ in range(2):
+                assert torch.equal(eng.run(model, x), model(x))
+            model.skip = set()
+            assert torch.equal(eng.run(model, x), model(x))

@@ -24,8 +24,12 @@ def assert_well_formed(plan, units):
         assert list(s.units) == list(range(s.units[0], s.units[-1] + 1)), "segments are contiguous"
         assert s.peak_bytes <= plan.budget_bytes
         if not s.resident:
-            assert len(s.units) == 1
-            assert units[s.units[0]].weight_bytes <= plan.slot_bytes
+            members = [units[i] for i in s.units]
+            if len(members) > 1:  # merged: every unit entered once, the segment fits one slot
+                assert all(u.entered and u.calls == 1 for u in members)
+                assert s.weight_bytes <= plan.slot_bytes
+            elif members[0].entered:
+                assert s.weight_bytes <= plan.slot_bytes
     assert plan.peak_bytes <= plan.budget_bytes
     assert plan.peak_bytes == plan.resident_bytes + plan.window_bytes + (plan.activation_reserve_bytes or 0)
 
@@ -135,7 +139,12 @@ unit_lists = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(unit_lists, st.booleans(), st.booleans())
-def test_larger_budget_never_more_segments_or_more_streamed_bytes(rows, prefetch, residency):
+def test_larger_budget_never_streams_more_bytes_nor_more_transfers_at_equal_bytes(rows, prefetch, residency):
+    """Streamed bytes per forward never grow with the budget, and where they stay equal the
+    transfers never grow either. A larger budget *can* need more transfers when it streams fewer
+    bytes (bytes come first): a 100 MiB unit and four 10 MiB units stream 140 MiB in 2 transfers
+    at 119 MiB (one slot, the four small units merged), 40 MiB in 4 transfers at 125 MiB (the large
+    unit resident, slots of 10 MiB); see test_more_budget_can_mean_more_transfers_for_fewer_bytes."""
     units = [PlanUnit(f"u{i}", w * MB, a * MB, a * MB // 2, pinned=(p and i == 0)) for i, (w, a, p) in enumerate(rows)]
     opts = PlanOptions(prefetch=prefetch, residency=residency)
     prev = None
@@ -147,9 +156,82 @@ def test_larger_budget_never_more_segments_or_more_streamed_bytes(rows, prefetch
             continue
         assert_well_formed(plan, units)
         if prev is not None:
-            assert len(plan.segments) <= len(prev.segments)
             assert plan.streamed_bytes_per_forward <= prev.streamed_bytes_per_forward
+            if plan.streamed_bytes_per_forward == prev.streamed_bytes_per_forward:
+                assert plan.transfers_per_forward <= prev.transfers_per_forward
         prev = plan
+
+
+looped_rows = st.lists(st.tuples(st.integers(1, 300), st.integers(0, 40), st.integers(0, 2)), min_size=1, max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(looped_rows, st.integers(1, 37))
+def test_monotone_with_looped_and_unentered_units(rows, step):
+    """The same orderings with units a forward never enters (0) and looped units (2 calls)."""
+    units = [PlanUnit(f"u{i}", w * MB, a * MB, a * MB // 2, entered=c > 0, calls=max(c, 1))
+             for i, (w, a, c) in enumerate(rows)]
+    prev = None
+    for budget in range(5 * MB, sum(u.weight_bytes for u in units) + 100 * MB, step * MB):
+        try:
+            plan = build_plan(units, budget)
+        except _Infeasible:
+            assert prev is None
+            continue
+        assert_well_formed(plan, units)
+        for s in plan.segments:
+            if len(s.units) > 1 and not s.resident:
+                assert all(units[i].entered and units[i].calls == 1 for i in s.units)
+        if prev is not None:
+            assert plan.streamed_bytes_per_forward <= prev.streamed_bytes_per_forward
+            if plan.streamed_bytes_per_forward == prev.streamed_bytes_per_forward:
+                assert plan.transfers_per_forward <= prev.transfers_per_forward
+        prev = plan
+
+
+def test_more_budget_can_mean_more_transfers_for_fewer_bytes():
+    """Why the monotone claim on transfers only holds at equal streamed bytes."""
+    units = [PlanUnit("big", 100 * MB, 0, 0)] + [PlanUnit(f"s{i}", 10 * MB, 0, 0) for i in range(4)]
+    a, b = build_plan(units, 119 * MB), build_plan(units, 125 * MB)
+    assert (a.streamed_bytes_per_forward, a.transfers_per_forward) == (140 * MB, 2)
+    assert (b.streamed_bytes_per_forward, b.transfers_per_forward) == (40 * MB, 4)
+
+
+def test_adjacent_streamed_units_share_one_transfer():
+    units = uniform(n=20, w=10 * MB, act=0, prelude=1 * MB)
+    plan = build_plan(units, 120 * MB, PlanOptions(residency=False))
+    streamed = [s for s in plan.segments if not s.resident]
+    assert plan.transfers_per_forward == len(streamed) < sum(len(s.units) for s in streamed)
+    assert max(s.weight_bytes for s in streamed) <= plan.slot_bytes
+    # the slot grows to a share of the spare room, and no further than the room allows
+    spare = plan.budget_bytes - plan.resident_bytes - (plan.activation_reserve_bytes or 0)
+    assert 10 * MB <= plan.slot_bytes <= max(10 * MB, spare // 4) and plan.peak_bytes <= plan.budget_bytes
+    assert plan.streamed_groups == tuple(tuple(plan.units[i].name for i in s.units) for s in streamed)
+
+
+def test_looped_and_unentered_units_are_segments_of_their_own():
+    units = [PlanUnit(f"b{i}", 10 * MB, 0, 0) for i in range(6)]
+    units[2] = PlanUnit("b2", 10 * MB, 0, 0, calls=3)
+    units[5] = PlanUnit("b5", 10 * MB, 0, 0, entered=False)
+    plan = build_plan(units, 70 * MB, PlanOptions(residency=False))
+    segs = [tuple(plan.units[i].name for i in s.units) for s in plan.segments]
+    assert ("b2",) in segs and ("b5",) in segs
+    assert plan.transfers_per_forward == len(plan.streamed_groups) - 1 + 3
+    assert "b5" not in [n for g in plan.streamed_groups for n in g]
+
+
+def test_a_small_lone_unit_is_kept_resident_when_that_removes_a_transfer():
+    # largest first keeps a and c; the window for b, d, e leaves 10 MiB: the tiny unit between
+    # two resident ones would be a transfer of its own, so it stays resident too
+    units = [PlanUnit(n, w * MB, 0, 0) for n, w in
+             [("b", 90), ("a", 100), ("tiny", 1), ("c", 100), ("d", 90), ("e", 90)]]
+    plan = build_plan(units, 390 * MB)
+    assert set(plan.resident_units) == {"a", "tiny", "c"}
+    assert plan.transfers_per_forward == 3 and plan.streamed_bytes_per_forward == 270 * MB
+    assert plan.peak_bytes <= plan.budget_bytes
+    # not when it is no small share of the spare room
+    big_tiny = [u if u.name != "tiny" else PlanUnit("tiny", 5 * MB, 0, 0) for u in units]
+    assert "tiny" not in build_plan(big_tiny, 395 * MB).resident_units
 
 
 def test_report_json_keys_and_text():

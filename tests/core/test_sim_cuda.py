@@ -645,3 +645,106 @@ def test_weights_that_cannot_be_taken_apart_on_the_cuda_branch(sim):
         assert "Wrapped" in sim.recorded_types, "a weight moved as a whole must be announced to the compute stream"
         assert any("Wrapped" in w and "cannot be taken apart" in w for w in eng.last_plan.warnings)
     assert_restored(model, snap, sim)
+
+
+# -- merged streamed segments: a segment's units copied back to back, one event -----------------
+
+def merging_budget(model, *args):
+    """Residency off, and spare room for slots of two units or more (see plan.WINDOW_SHARE)."""
+    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cuda"))
+    with torch.no_grad():
+        probe.run(model, *args)
+    p = probe.last_plan
+    probe.release()
+    biggest = max(u.weight_bytes for u in p.units if not u.pinned)
+    return sum(u.weight_bytes for u in p.units if u.pinned) + p.activation_reserve_bytes + 9 * biggest
+
+
+@pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])
+def test_merged_segments_bit_exact_no_hazards_one_copy_each(sim, name, build, inputs):
+    with sim.host_memory(), torch.no_grad():
+        model = build()
+        args = inputs()
+        ref = model(*args)
+        snap = values(model)
+    with torch.no_grad():
+        budget = merging_budget(model, *args)
+        eng = cuda_engine(model, budget, residency=False)
+        sim.alloc.empty_cache()
+        sim.alloc.reset_peak()
+        base = sim.alloc.reserved
+        with eng.session():
+            outs = []
+            for _ in range(4):
+                outs.append(eng.run(model, *args))
+            steady = eng.last_stats
+            assert_restored(model, snap, sim)
+        plan = eng.last_plan
+        assert any(len(g) > 1 for g in plan.streamed_groups), f"{name}: nothing merged"
+        for o in outs:
+            assert torch.equal(o, ref), f"{name}: output differs on the CUDA branch"
+        if len(plan.streamed_groups) > plan.slots:
+            assert steady.copies == plan.transfers_per_forward
+        assert steady.sync_loads == 0
+        assert eng.executor.device_bytes == 0
+        reserved_peak_within(sim, budget, base, held=outs)
+    assert_restored(model, snap, sim)
+
+
+class SkipFirst(TransformerStack):
+    def __init__(self):
+        super().__init__(depth=8)
+        self.skip = set()
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for i, b in enumerate(self.blocks):
+            if i not in self.skip:
+                x = b(x)
+        return self.head(self.norm_out(x))
+
+
+def test_a_segment_entered_at_its_second_unit_waits_for_the_segment_copy(sim):
+    """Its first unit skipped: compute reads the second unit's copy, which the segment's one
+    event orders (the simulator fails any read before that)."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(SkipFirst())
+        x = ids()
+    with torch.no_grad():
+        eng = cuda_engine(model, merging_budget(model, x), residency=False)
+        with eng.session():
+            eng.run(model, x)
+            firsts = [g[0] for g in eng.last_plan.streamed_groups if len(g) > 1 and g[0].startswith("blocks.")]
+            assert firsts
+            model.skip = {int(firsts[-1].split(".")[1])}
+            with sim.host_memory():
+                ref = model(x)
+            for _ in range(3):
+                assert torch.equal(eng.run(model, x), ref)
+
+
+def test_sim_catches_a_segment_copy_whose_later_units_are_not_ordered(sim, monkeypatch):
+    """Take the segment's event off every unit but the first: a forward that enters the segment
+    at its second unit reads it before its copy is ordered."""
+    orig = ex.SegmentedExecutor._load
+
+    def first_only(self, names, buf, sync):
+        out = orig(self, names, buf, sync)
+        for n in list(out)[1:]:
+            out[n].ready = None
+        return out
+
+    monkeypatch.setattr(ex.SegmentedExecutor, "_load", first_only)
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(SkipFirst())
+        x = ids()
+    with torch.no_grad():
+        eng = cuda_engine(model, merging_budget(model, x), residency=False)
+        with eng.session():
+            eng.run(model, x)
+            firsts = [g[0] for g in eng.last_plan.streamed_groups if len(g) > 1 and g[0].startswith("blocks.")]
+            model.skip = {int(f.split(".")[1]) for f in firsts}
+            for _ in range(3):
+                eng.run(model, x)
+    assert any("before its write is ordered" in h for h in sim.hazards)
+    sim.hazards.clear()
