@@ -410,9 +410,12 @@ IDLE_COLOR = "#6b7280"
 MEASURED_BADGE = "#16a34a"
 WEIGHTS_BADGE = "#64748b"
 BADGE_TOLERANCE = 3          # the badges are flat fills; idle (#6b7280) is 11 away from #64748b
-# Measured on the random SD VAE decoding a 1x4x8x8 latent: decoder.up.3 + up.2 (126 MiB) stay
-# resident, the rest of the decoder streams, the encoder is idle (0.08 GiB keeps nothing resident).
-VAE_BUDGET_GB = 0.18
+# Measured on the random SD VAE decoding a 1x4x8x8 latent, prefetch off (one slot): decoder.up.3
+# (63 MiB) stays resident, the rest of the decoder streams in 3 transfers, the encoder is idle;
+# that plan holds from 0.13 GiB to 0.19 GiB (all resident). With prefetch on no budget keeps a
+# block resident while others stream: one resident 63 MiB block, two 63 MiB slots and 10 MiB of
+# activations already take what the whole decoder resident takes.
+VAE_BUDGET_GB = 0.16
 DOCS_IMAGE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "node_plan.png")
 DOCS_ZOOM = 1.5
 DOCS_WIDTH = 460             # graph units (the node's default is 360)
@@ -449,7 +452,7 @@ const [vaeName, budget, firstId, done] = arguments;
   };
   const loader = add("VAELoader", [20, 90], {vae_name: vaeName});
   const cut = add("%(node)s", [340, 90], {max_vram_gb: budget, budget_mode: "fixed", reserve_gb: 1.0,
-                                          prefetch: true, residency: true});
+                                          prefetch: false, residency: true});
   const latent = add("EmptyLatentImage", [20, 260], {width: 64, height: 64, batch_size: 1});
   const decode = add("VAEDecode", [880, 90]);
   const preview = add("PreviewImage", [880, 230]);
@@ -640,7 +643,7 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
     assert int(d["segments"]) == int(d["resident"]) + int(d["streamed"]) + int(d["idle"]), d
     (label,) = st["labels"]
     assert label.startswith("VAE"), label
-    for part in ("decoder.up.0", "encoder.mid", "idle", "measured:", "1x4x8x8"):
+    for part in ("decoder.up.3", "encoder.mid", "idle", "measured:", "1x4x8x8"):
         assert part in st["text"], (part, st["text"])
     assert st["stored"] is None, "the plan was written into the workflow (node.properties)"
     # during this run the node was drawn as weights, then measured, never back; the measured
