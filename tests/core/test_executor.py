@@ -32,11 +32,16 @@ def budget_for(model, *args, share=0.45):
     us = find_units(model)
     biggest = max(u.weight_bytes for u in us.units if not u.pinned)
     pinned = sum(u.weight_bytes for u in us.units if u.pinned)
+    act = _probe_plan(model, *(args or (ids(),))).activation_reserve_bytes
+    return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
+
+
+def _probe_plan(model, *args):
+    """The measured plan of one forward of ``args`` at a budget that holds everything."""
     probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cpu"))
     with torch.no_grad():
-        probe.run(model, *(args or (ids(),)))
-    act = probe.last_plan.activation_reserve_bytes
-    return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
+        probe.run(model, *args)
+    return probe.last_plan
 
 
 @pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])
@@ -306,13 +311,6 @@ def test_hooks_held_between_forwards_do_nothing_for_other_callers_and_go_on_rele
 
 
 # -- merged streamed segments: one transfer per segment ----------------------------------------
-
-def _probe_plan(model, *args):
-    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cpu"))
-    with torch.no_grad():
-        probe.run(model, *args)
-    return probe.last_plan
-
 
 def _merging_budget(model, *args):
     """With residency off: spare room for slots of a WINDOW_SHARE of it, each two units or more

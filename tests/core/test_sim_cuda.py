@@ -49,13 +49,34 @@ def budget_for(model, *args, share=0.45, streams=None):
     us = find_units(model)
     biggest = max(u.weight_bytes for u in us.units if not u.pinned)
     pinned = sum(u.weight_bytes for u in us.units if u.pinned)
+    act = probe_plan(model, *(args or (ids(),)), streams=streams).activation_reserve_bytes
+    return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
+
+
+def probe_plan(model, *args, streams=None):
+    """The measured plan of one forward of ``args`` on the simulated device, everything fitting
+    (its buffers given back)."""
     probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cuda"))
     probe.order_streams(streams)
     with torch.no_grad():
-        probe.run(model, *(args or (ids(),)))
-    act = probe.last_plan.activation_reserve_bytes
+        probe.run(model, *args)
     probe.release()
-    return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
+    return probe.last_plan
+
+
+def reference(sim, build, inputs):
+    """A toy built in host memory, its inputs, its plain output and its values."""
+    with sim.host_memory(), torch.no_grad():
+        model = build()
+        args = inputs()
+        return model, args, model(*args), values(model)
+
+
+def fresh_peak(sim) -> int:
+    """Empty the allocator's cache and its peak; the reserved bytes a run starts from."""
+    sim.alloc.empty_cache()
+    sim.alloc.reset_peak()
+    return sim.alloc.reserved
 
 
 def cuda_engine(model, budget, **kw):
@@ -76,17 +97,11 @@ def reserved_peak_within(sim, budget, base, held=()):
 
 @pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])
 def test_cuda_branch_bit_exact_no_hazards_reserved_within_budget(sim, name, build, inputs):
-    with sim.host_memory(), torch.no_grad():
-        model = build()
-        args = inputs()
-        ref = model(*args)
-        snap = values(model)
+    model, args, ref, snap = reference(sim, build, inputs)
     with torch.no_grad():
         budget = budget_for(model, *args)
         eng = cuda_engine(model, budget)
-        sim.alloc.empty_cache()
-        sim.alloc.reset_peak()
-        base = sim.alloc.reserved
+        base = fresh_peak(sim)
         with eng.session():
             outs = [eng.run(model, *args) for _ in range(3)]
             assert_restored(model, snap, sim)
@@ -354,9 +369,7 @@ def test_plan_switch_frees_before_alloc(sim):
 
         ex.SegmentedExecutor._alloc = alloc
         try:
-            sim.alloc.empty_cache()
-            sim.alloc.reset_peak()
-            base = sim.alloc.reserved
+            base = fresh_peak(sim)
             with eng.session():
                 for _ in range(3):
                     assert torch.equal(eng.run(model, *args), ref)
@@ -437,9 +450,7 @@ def test_two_engines_one_module(sim):
         a, b = cuda_engine(model, budget), cuda_engine(model, budget)
         a.keep_buffers(True)
         b.keep_buffers(True)
-        sim.alloc.empty_cache()
-        sim.alloc.reset_peak()
-        base = sim.alloc.reserved
+        base = fresh_peak(sim)
         outs = [a.run(model, x), a.run(model, x)]
         outs += [b.run(model, x), b.run(model, x)]   # a gives its buffers back first
         assert a.executor.device_bytes == 0 and b.executor.device_bytes > 0
@@ -651,32 +662,20 @@ def test_weights_that_cannot_be_taken_apart_on_the_cuda_branch(sim):
 
 def merging_budget(model, *args):
     """Residency off, and spare room for slots of two units or more (see plan.WINDOW_SHARE)."""
-    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cuda"))
-    with torch.no_grad():
-        probe.run(model, *args)
-    p = probe.last_plan
-    probe.release()
+    p = probe_plan(model, *args)
     biggest = max(u.weight_bytes for u in p.units if not u.pinned)
     return sum(u.weight_bytes for u in p.units if u.pinned) + p.activation_reserve_bytes + 9 * biggest
 
 
 @pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])
 def test_merged_segments_bit_exact_no_hazards_one_copy_each(sim, name, build, inputs):
-    with sim.host_memory(), torch.no_grad():
-        model = build()
-        args = inputs()
-        ref = model(*args)
-        snap = values(model)
+    model, args, ref, snap = reference(sim, build, inputs)
     with torch.no_grad():
         budget = merging_budget(model, *args)
         eng = cuda_engine(model, budget, residency=False)
-        sim.alloc.empty_cache()
-        sim.alloc.reset_peak()
-        base = sim.alloc.reserved
+        base = fresh_peak(sim)
         with eng.session():
-            outs = []
-            for _ in range(4):
-                outs.append(eng.run(model, *args))
+            outs = [eng.run(model, *args) for _ in range(4)]
             steady = eng.last_stats
             assert_restored(model, snap, sim)
         plan = eng.last_plan
@@ -704,19 +703,30 @@ class SkipFirst(TransformerStack):
         return self.head(self.norm_out(x))
 
 
-def test_a_segment_entered_at_its_second_unit_waits_for_the_segment_copy(sim):
-    """Its first unit skipped: compute reads the second unit's copy, which the segment's one
-    event orders (the simulator fails any read before that)."""
+def skip_first_merged(sim):
+    """SkipFirst in host memory, its input, and an engine (residency off) whose streamed
+    segments hold several blocks."""
     with sim.host_memory(), torch.no_grad():
         model = seeded(SkipFirst())
         x = ids()
+    return model, x, cuda_engine(model, merging_budget(model, x), residency=False)
+
+
+def segment_heads(plan) -> list[int]:
+    """Indices of the blocks that begin a streamed segment of several units."""
+    return [int(g[0].split(".")[1]) for g in plan.streamed_groups if len(g) > 1 and g[0].startswith("blocks.")]
+
+
+def test_a_segment_entered_at_its_second_unit_waits_for_the_segment_copy(sim):
+    """Its first unit skipped: compute reads the second unit's copy, which the segment's one
+    event orders (the simulator fails any read before that)."""
+    model, x, eng = skip_first_merged(sim)
     with torch.no_grad():
-        eng = cuda_engine(model, merging_budget(model, x), residency=False)
         with eng.session():
             eng.run(model, x)
-            firsts = [g[0] for g in eng.last_plan.streamed_groups if len(g) > 1 and g[0].startswith("blocks.")]
-            assert firsts
-            model.skip = {int(firsts[-1].split(".")[1])}
+            heads = segment_heads(eng.last_plan)
+            assert heads
+            model.skip = {heads[-1]}
             with sim.host_memory():
                 ref = model(x)
             for _ in range(3):
@@ -735,15 +745,11 @@ def test_sim_catches_a_segment_copy_whose_later_units_are_not_ordered(sim, monke
         return out
 
     monkeypatch.setattr(ex.SegmentedExecutor, "_load", first_only)
-    with sim.host_memory(), torch.no_grad():
-        model = seeded(SkipFirst())
-        x = ids()
+    model, x, eng = skip_first_merged(sim)
     with torch.no_grad():
-        eng = cuda_engine(model, merging_budget(model, x), residency=False)
         with eng.session():
             eng.run(model, x)
-            firsts = [g[0] for g in eng.last_plan.streamed_groups if len(g) > 1 and g[0].startswith("blocks.")]
-            model.skip = {int(f.split(".")[1]) for f in firsts}
+            model.skip = set(segment_heads(eng.last_plan))
             for _ in range(3):
                 eng.run(model, x)
     assert any("before its write is ordered" in h for h in sim.hazards)
