@@ -10,7 +10,8 @@
 
 import { normalizePayload, summarize } from "./payload.js";
 import { allText, answer, budgetFix } from "./format.js";
-import { COLORS, FONT_FALLBACK, HEADER_H, LOW_ZOOM, readTheme, render } from "./draw.js";
+import { HEADER_H, LOW_ZOOM, render } from "./draw.js";
+import { COLORS, FONT_FALLBACK, readTheme } from "./theme.js";
 
 // One small styled tooltip for every plan on the page (a canvas `title` would be a raw dump in
 // the browser's own font).
