@@ -62,9 +62,10 @@ export function isIdle(seg) {
   return !seg.resident && !!seg.idle;
 }
 
+/** The blocks of a plan. One saved by an older version (the legacy node property) has its unit
+ * list dropped, but each of its segments still names its units. */
 export function unitCount(plan) {
   if (plan.units?.length) return plan.units.length;
-  if (Number.isFinite(plan.unit_count)) return plan.unit_count;
   return plan.segments.reduce((n, s) => n + asArray(s.units).length, 0);
 }
 
