@@ -966,30 +966,6 @@ class SegmentedExecutor:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _install_hooks(self, plan: Plan) -> None:
-        """Pre-hooks that enter each unit. While buffers are held between forwards they stay
-        (and do nothing outside a forward of ours: the host may run the same modules for a
-        clone that is not ours); they are removed on release, after an error, and when a new
-        plan cuts the module differently."""
-        key = tuple(u.name for u in plan.units)
-        if self._hooks and self._hooked == key:
-            return
-        self._remove_hooks()
-        self._hooked = key
-        hooks = self._hooks
-        ref = weakref.ref(self)  # hooks must not keep a dropped executor (and its pinned masters) alive
-        for pu in plan.units:
-            unit = self._unit(pu.name)
-            name = pu.name
-
-            def pre(mod, _args, _name=name, _ref=ref):
-                ex = _ref()
-                if ex is not None:
-                    ex._enter(_name, mod)
-
-            for m in unit.hook_modules:
-                hooks.append(m.register_forward_pre_hook(pre))
-
     def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
