@@ -62,7 +62,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .measure import OverBudget
 from .plan import Plan
 from .report import RunStats
 from .runtime.binding import Binding
@@ -94,10 +93,8 @@ class SegmentedExecutor:
 
     device_bytes = _delegate("memory", "bytes", "Device bytes the executor holds now.")
     peak_weight_bytes = _delegate("memory", "peak", "This forward's peak of device bytes held.")
-    # entered around every device allocation of a forward (a host's malloc-graph pause)
-    alloc_context = _delegate("memory", "alloc_context", "See DeviceMemory.alloc_context.")
-    # the host's streams that read swapped-in weights: each waits on the copy events too
-    reader_streams = _delegate("transfers", "reader_streams", "See Transfers.reader_streams.")
+    alloc_context = _delegate("memory", "alloc_context", "Entered around every device allocation of a forward.")
+    reader_streams = _delegate("transfers", "reader_streams", "The host's streams that read swapped-in weights.")
 
     def __init__(self, units: Callable[[str], Unit], device: torch.device | str,
                  pin_memory: bool | None = None, track_cpu_memory: bool = False,
@@ -106,8 +103,7 @@ class SegmentedExecutor:
         self.cuda = self.device.type == "cuda"
         self._unit = units
         self.track_cpu_memory = track_cpu_memory  # meter every CPU forward (slow), not only measured ones
-        # the rooms; each registers the finalizer for what it owns (collected without release:
-        # copies drained, hooks off the module, held weights pointed back, masters unpinned)
+        # the rooms; each registers the finalizer for what it owns
         self.memory = DeviceMemory(units, self.device)
         pin = self.cuda if pin_memory is None else (pin_memory and self.cuda)
         self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place)
@@ -122,22 +118,15 @@ class SegmentedExecutor:
         # error, interrupt, invalidate, a plan change, or a forward of the module that is not ours
         self.hold_weights = False
         self._running = False
-        # per-forward state
-        self._plan: Plan | None = None
+        self._plan = self._last_plan = None
         self._current: str | None = None
         self._last_streamed: tuple[str, ...] | None = None   # the streamed group running
-        self._stats: RunStats | None = None
-        self.failed_unit: str | None = None  # the unit that ran when the last forward raised
-        self.failed_device_bytes = 0         # and the bytes the executor held then
-        self.failed_plan: Plan | None = None
+        # the unit that ran when the last forward raised, the bytes the executor held then, the plan
+        self.failed_unit, self.failed_device_bytes, self.failed_plan = None, 0, None
         self.failed_tracked = True    # the failed forward tracked every unit (not only streamed ones)
-        # Called with a unit once a fresh copy of its weights is on the device and its tensors
-        # point at it, before any of its modules runs (on CUDA: on the compute stream, after the
-        # copy's event): the host merges weight patches (LoRA) into the device copy there, so
-        # the host keeps one unpatched copy of every weight.
+        # Called with a unit once a fresh copy of its weights is usable by compute, before any
+        # of its modules runs: the host merges weight patches (LoRA) into the device copy there.
         self.on_loaded: Callable[[Unit], None] | None = None
-        self._reset_peak = True
-        self._last_plan: Plan | None = None
         self._stale_copies = False
         if module is not None:  # executors on one module hold device buffers one at a time
             _EXECUTORS.setdefault(module, weakref.WeakSet()).add(self)
@@ -173,7 +162,7 @@ class SegmentedExecutor:
             raise RuntimeError("SegmentedExecutor.forward is not re-entrant")
         self._running = True
         stats = RunStats(forwards=1)
-        self._stats = self.transfers.stats = stats
+        self.transfers.stats = stats
         ok = False
         t0 = time.perf_counter()
         start_ev = end_ev = None
@@ -187,16 +176,9 @@ class SegmentedExecutor:
         try:
             self._release_others()
             if self.cuda:
-                # Peaks are process-wide statistics: reset only when this forward measures, or
-                # switches plans (the switch is where the old and new buffers could overlap).
-                self._reset_peak = measure or plan is not self._last_plan
-                if self._reset_peak:
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    ms.base_reserved = torch.cuda.memory_reserved(self.device) - self.device_bytes
-                start_ev = torch.cuda.Event(enable_timing=True)
-                start_ev.record()
-            self._last_plan = plan
-            resumed = self._resume_held(plan, measure)
+                start_ev = ms.start_cuda(measure or plan is not self._last_plan)
+            self._last_plan = self._plan = plan
+            resumed = self.binding.resume(plan, not measure and not self._stale_copies)
             if not resumed:
                 self._begin(plan)
             if self.cuda:
@@ -208,11 +190,7 @@ class SegmentedExecutor:
                 ms.meter.start()
             if not resumed:
                 self.hooks.install(plan, ms.meas is not None, self.memory.resident_names)
-            if self.cuda and ms.limit is not None:
-                # the allocator cannot call back: check between module calls while measuring
-                check = lambda *_a: self._check_live()  # noqa: E731
-                global_hooks = [nn.modules.module.register_module_forward_pre_hook(check),
-                                nn.modules.module.register_module_forward_hook(check)]
+            global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())
             out = fn(*args, **kwargs)
             ok = True
             return out, stats, ms.finish(self._current)
@@ -232,11 +210,7 @@ class SegmentedExecutor:
                 if ok and plan.slots == 2 and self._holding:
                     self._prefetch_first(plan)  # wrap around: ready for the next forward
                 if self.cuda:
-                    end_ev = torch.cuda.Event(enable_timing=True)
-                    end_ev.record()
-                    if self._reset_peak:
-                        ms.collect_cuda_peak(stats, end_ev)
-                    self.transfers.collect_cuda_times(stats, start_ev, end_ev)
+                    self.transfers.collect_cuda_times(stats, start_ev, ms.end_cuda(stats))
                 else:
                     ms.cpu_stats(stats, time.perf_counter() - t0)
                 stats.peak_weight_bytes = self.peak_weight_bytes
@@ -261,10 +235,7 @@ class SegmentedExecutor:
         """Free every device buffer the executor holds; unpin host masters."""
         if self._running:
             raise RuntimeError("cannot release while a forward runs")
-        if self.cuda:
-            self.transfers.wait_copies()  # hazard: freeing slots a prefetch is still writing
-            # hazard: freeing buffers that queued kernels on the compute stream still read
-            torch.cuda.current_stream(self.device).synchronize()
+        self.transfers.drain()
         self.hooks.remove()
         self.binding.drop_held()
         self.binding.restore_all()
@@ -320,31 +291,9 @@ class SegmentedExecutor:
 
     def _begin(self, plan: Plan) -> None:
         self._plan = plan
-        mem = self.memory
-        resident = set(plan.resident_units)
-        groups = plan.streamed_groups
-        # free what the new plan no longer keeps, before allocating anything new (in methods, so
-        # that no local variable keeps a freed buffer alive)
-        freed = mem.free_unkept_resident(resident)
-        if mem.slots_differ(plan.slots, plan.slot_bytes):
-            self.transfers.wait_copies()  # hazard: freeing a slot a prefetch still writes
-            mem.free_slots()
-            freed = True
-        if self._stale_copies:
-            mem.drop_slot_copies(lambda _g: True)
-        else:  # a unit the new plan keeps resident must not also sit in a slot; groups it cuts
-            kept = set(groups)  # differently are copied again
-            mem.drop_slot_copies(lambda g: g not in kept or any(n in resident for n in g))
-        if freed:
-            mem.empty_cache()  # hazard: the freed blocks stay reserved next to the new ones
-        mem.resident_names = resident
-        for name in plan.resident_units:
-            if name not in mem.resident:
-                buf = mem.alloc(mem.layout(name).nbytes)
-                mem.resident[name] = (buf, self.transfers.load((name,), buf, sync=True)[name])
-                del buf
-            elif self._stale_copies:  # the host wrote into the masters: copy them again
-                self._reload_resident(name)
+        mem, groups = self.memory, plan.streamed_groups
+        mem.free_for(plan, self._stale_copies, self.transfers.wait_copies)
+        self.transfers.load_resident(plan, self._stale_copies)
         self._stale_copies = False
         while len(mem.slots) < plan.slots:
             mem.slots.append(Slot(mem.alloc(plan.slot_bytes)))
@@ -359,25 +308,12 @@ class SegmentedExecutor:
                 and mem.group_bytes(groups[0]) <= plan.slot_bytes):  # a measuring slot may not hold it
             self._load_into_slot(groups[0], mem.slots[0], sync=not self.cuda)
 
-    def _reload_resident(self, name: str) -> None:
-        mem = self.memory
-        buf, dc = mem.resident[name]
-        mem.account(-mem.other_bytes(dc))
-        mem.resident[name] = (buf, self.transfers.load((name,), buf, sync=True)[name])
-
     def _load_into_slot(self, group: tuple[str, ...], slot: Slot, sync: bool, swap: bool = True) -> None:
-        """Copy a streamed group (one segment's units) into a slot as one transfer, evicting what
-        it held (nothing is copied back: the host copy is the master). ``swap`` points the units'
-        tensors at the slot right away."""
-        mem = self.memory
-        if mem.group_bytes(group) > slot.buf.numel():
-            # a measuring plan sizes its slot over the units that can fit: this one cannot
-            name = max(group, key=mem.unit_bytes)
-            raise OverBudget("weights", name, mem.unit_bytes(name), self.measuring.act_seen,
-                             self._plan.budget_bytes if self._plan else 0)
+        """Copy a streamed group into a slot as one transfer (see ``Transfers.into_slot``)."""
+        self.memory.check_fits(group, slot, self.measuring.act_seen, self._plan.budget_bytes if self._plan else 0)
         self.transfers.into_slot(group, slot, sync, swap)
 
-    def _prefetch_first(self, plan: Plan) -> None:
+    def _prefetch_first(self, plan: Plan) -> None:  # wrap around: the next forward's first group
         groups, mem = plan.streamed_groups, self.memory
         if not groups or mem.slot_of(groups[0][0]) is not None or len(mem.slots) < 2:
             return
@@ -387,23 +323,16 @@ class SegmentedExecutor:
     def _enter(self, name: str, module: nn.Module | None = None) -> None:
         if not self._running:
             return  # hooks held between forwards: someone else is running these modules
-        ms = self.measuring
-        if ms.meas is not None and module is not None:
-            ms.entered.add(id(module))  # which parts of a unit ran (for finer cuts)
-        if name == self._current:
+        if not self.measuring.switch(self._current, name, module):
             return
-        if ms.meter is not None:
-            ms.close_window(self._current)
         self._current = name
-        if ms.meter is not None:
-            ms.open_window(name)
         mem, tr = self.memory, self.transfers
         if name not in mem.resident_names:
             slot = mem.slot_of(name)
             if slot is None:
                 # not prefetched (first forward, a skipped or repeated block): load its group now
-                if self._stats is not None:
-                    self._stats.sync_loads += 1
+                if tr.stats is not None:
+                    tr.stats.sync_loads += 1
                 slot = mem.other_slot(self._last_streamed)
                 a = tr.cuda_mark()
                 self._load_into_slot(tr.group_of.get(name, (name,)), slot, sync=True)
@@ -428,16 +357,6 @@ class SegmentedExecutor:
             self.on_loaded(self._unit(name))
 
     # -- held weights: an all-resident plan between forwards ---------------------------------
-
-    def _resume_held(self, plan: Plan, measure: bool) -> bool:
-        """A forward of the plan whose weights are held: nothing to swap, nothing to hook."""
-        if self.binding.held is None:
-            return False
-        if self.binding.held is plan and not measure and not self._stale_copies:
-            self._plan = plan
-            return True
-        self.binding.drop_held()
-        return False
 
     def _after_forward(self, plan: Plan, ok: bool) -> None:
         """Point tensors back at their masters, or keep an all-resident plan swapped in for the

@@ -90,6 +90,16 @@ class Binding:
         for name in list(self.swapped):
             self.swap_out(name)
 
+    def resume(self, plan, fresh: bool) -> bool:
+        """A forward of the held plan (``fresh``: not measuring, masters unchanged) swaps nothing;
+        any other forward first points the held tensors back."""
+        if self.held is None:
+            return False
+        if self.held is plan and fresh:
+            return True
+        self.drop_held()
+        return False
+
     def hold(self, plan, module: nn.Module | None, on_foreign: Callable[[], None]) -> None:
         """Keep the swaps of ``plan`` between forwards. ``on_foreign`` (held weakly) runs before
         any forward of ``module``; it drops the hold unless the forward is the executor's."""

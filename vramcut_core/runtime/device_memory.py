@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..measure import OverBudget
 from ..units import Unit
 from .layout import Layout, layout_of
 
@@ -103,6 +104,31 @@ class DeviceMemory:
 
     def slot_other_bytes(self, slot: Slot) -> int:
         return sum(self.other_bytes(dc) for dc in slot.copies.values())
+
+    def free_for(self, plan, stale: bool, wait_copies: Callable[[], None]) -> None:
+        """Free what a new plan no longer keeps, before anything new is allocated (in methods, so
+        that no local variable keeps a freed buffer alive). ``stale``: the host wrote into the
+        masters, every slot copy goes."""
+        resident = set(plan.resident_units)
+        freed = self.free_unkept_resident(resident)
+        if self.slots_differ(plan.slots, plan.slot_bytes):
+            wait_copies()  # hazard: freeing a slot a prefetch still writes
+            self.free_slots()
+            freed = True
+        if stale:
+            self.drop_slot_copies(lambda _g: True)
+        else:  # a unit the new plan keeps resident must not also sit in a slot; groups it cuts
+            kept = set(plan.streamed_groups)  # differently are copied again
+            self.drop_slot_copies(lambda g: g not in kept or any(n in resident for n in g))
+        if freed:
+            self.empty_cache()  # hazard: the freed blocks stay reserved next to the new ones
+        self.resident_names = resident
+
+    def check_fits(self, group: tuple[str, ...], slot: Slot, act_seen: int, budget: int) -> None:
+        if self.group_bytes(group) > slot.buf.numel():
+            # a measuring plan sizes its slot over the units that can fit: this one cannot
+            name = max(group, key=self.unit_bytes)
+            raise OverBudget("weights", name, self.unit_bytes(name), act_seen, budget)
 
     def free_unkept_resident(self, resident: set) -> bool:
         freed = False

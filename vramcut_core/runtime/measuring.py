@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from torch import nn
+
 from ..measure import CPUMeter, CUDAMeter, Meter, OverBudget, UnitMeasurement
 from .device_memory import DeviceMemory
 
@@ -27,6 +29,7 @@ class Measuring:
         self.limit: int | None = None      # measuring forward: stop before passing this many bytes
         self.act_seen = self.cuda_peak = self.input_bytes = 0
         self.base = self.base_reserved = 0  # device bytes not ours at forward start
+        self.reset_peak = True              # this forward resets the allocator's peak
 
     def make_meter(self, measure: bool, track_cpu_memory: bool, check) -> None:
         """The forward's meter (a CUDA one only when measuring; a CPU one when measuring or
@@ -57,6 +60,18 @@ class Measuring:
         if self.memory.peak + self.act_seen > self.limit:
             raise OverBudget("activations", current, self.memory.peak, self.act_seen, self.limit)
 
+    def switch(self, prev: str | None, name: str, module) -> bool:
+        """A unit's module is entered: False when it is the unit running already; else the
+        window of ``prev`` closes and ``name``'s opens."""
+        if self.meas is not None and module is not None:
+            self.entered.add(id(module))  # which parts of a unit ran (for finer cuts)
+        if name == prev:
+            return False
+        if self.meter is not None:
+            self.close_window(prev)
+            self.open_window(name)
+        return True
+
     def open_window(self, name: str) -> None:
         live = self.meter.live() + self.input_bytes
         m = self.meas.get(name)
@@ -85,13 +100,36 @@ class Measuring:
                 id(m) for m in self._unit(n).hook_modules if id(m) in self.entered)
         return {n: self.meas[n] for n in self.order}
 
-    def collect_cuda_peak(self, stats, end_ev) -> None:
-        """The forward's device peak (only measured or plan-switching forwards reset it)."""
-        # a peak read needs this forward's kernels done (the caller reads the output next anyway)
+    def start_cuda(self, reset_peak: bool):
+        """A CUDA forward starts: its timing event. Peaks are process-wide statistics: reset only
+        when the forward measures or switches plans (where old and new buffers could overlap)."""
+        self.reset_peak = reset_peak
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base_reserved = torch.cuda.memory_reserved(self.device) - self.memory.bytes
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def limit_hooks_cuda(self, check) -> list:
+        """The allocator cannot call back: check between module calls while measuring."""
+        if self.cuda and self.limit is not None:
+            return [nn.modules.module.register_module_forward_pre_hook(check),
+                    nn.modules.module.register_module_forward_hook(check)]
+        return []
+
+    def end_cuda(self, stats):
+        """A CUDA forward ends: its timing event, and its device peak where it reset the peak."""
+        end_ev = torch.cuda.Event(enable_timing=True)
+        end_ev.record()
+        if not self.reset_peak:
+            return end_ev
+        # a peak read needs this forward's kernels done (only measured or switching forwards)
         end_ev.synchronize()
         # the meter resets the allocator's peak per unit: the forward's peak is the largest seen
         stats.peak_device_bytes = max(max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device)) - self.base,
                                       torch.cuda.max_memory_reserved(self.device) - self.base_reserved)
+        return end_ev
 
     def cpu_stats(self, stats, wall: float) -> None:
         """CPU copies are synchronous: compute waits for every one of them."""

@@ -77,6 +77,13 @@ class Transfers:
     def plan(self, plan: Plan) -> None:
         self.group_of, self.next = prefetch_order(plan)
 
+    def drain(self) -> None:
+        """Before the device buffers are freed: every copy and every queued kernel has finished."""
+        if self.cuda:
+            self.copy_stream.synchronize()  # hazard: freeing slots a prefetch is still writing
+            # hazard: freeing buffers that queued kernels on the compute stream still read
+            torch.cuda.current_stream(self.device).synchronize()
+
     def wait_copies(self) -> None:
         """Block the host until every copy issued has landed (callers name the hazard)."""
         if self.cuda:
@@ -132,6 +139,24 @@ class Transfers:
         if self.cuda and sync:
             self.order_readers(done)
         return out
+
+    def load_resident(self, plan: Plan, stale: bool) -> None:
+        """A buffer and a copy for each unit ``plan`` keeps resident; ``stale``: the host wrote
+        into the masters, the kept copies are copied again."""
+        mem = self.memory
+        for name in plan.resident_units:
+            if name not in mem.resident:
+                buf = mem.alloc(mem.layout(name).nbytes)
+                mem.resident[name] = (buf, self.load((name,), buf, sync=True)[name])
+                del buf
+            elif stale:
+                self._reload_resident(name)
+
+    def _reload_resident(self, name: str) -> None:
+        mem = self.memory
+        buf, dc = mem.resident[name]
+        mem.account(-mem.other_bytes(dc))
+        mem.resident[name] = (buf, self.load((name,), buf, sync=True)[name])
 
     def into_slot(self, group: tuple[str, ...], slot, sync: bool, swap: bool = True) -> None:
         """Copy a streamed group (one segment's units) into a slot as one transfer, evicting what
