@@ -66,7 +66,7 @@ from .plan import Plan
 from .report import RunStats
 from .runtime.binding import Binding
 from .runtime.device_memory import DeviceCopy, DeviceMemory, Slot
-from .runtime.host_memory import PIN_FRACTION, PINNED, HostMasters  # noqa: F401  (PINNED: callers read the ledger here)
+from .runtime.host_memory import PINNED, HostMasters  # noqa: F401  (PINNED: callers read the ledger here)
 from .runtime.layout import Layout
 from .runtime.measuring import Measuring
 from .runtime.transfers import Transfers
