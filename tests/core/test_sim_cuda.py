@@ -658,28 +658,23 @@ def test_weights_that_cannot_be_taken_apart_on_the_cuda_branch(sim):
     assert_restored(model, snap, sim)
 
 
-
 def test_a_streamed_unit_with_no_plain_tensors_has_no_host_master(sim):
     """Every weight of the blocks moved as a whole: nothing to put in a flat host master, so
     none is built (nothing is page-locked for them); bit-equal, no hazard, restored."""
     with sim.host_memory(), torch.no_grad():
         model = seeded(TransformerStack())
-        for blk in model.blocks:
-            for m in blk.modules():
-                for k, t in list(m._parameters.items()):
-                    if t is not None:
-                        m._parameters[k] = Wrapped(t.detach().clone())
+        for m in model.blocks.modules():
+            m._parameters.update({k: Wrapped(t.detach().clone()) for k, t in m._parameters.items() if t is not None})
         x = ids()
-        ref = model(x)
-        snap = values(model)
+        ref, snap = model(x), values(model)
     with torch.no_grad():
         eng = cuda_engine(model, budget_for(model, x))
         with eng.session():
-            outs = [eng.run(model, x) for _ in range(3)]
+            assert all(torch.equal(eng.run(model, x), ref) for _ in range(3))
             streamed = [u for u in eng.last_plan.streamed_order if u.startswith("blocks.")]
             assert streamed and all(eng.executor.masters.get(u) is None for u in streamed)
-        assert all(torch.equal(o, ref) for o in outs)
     assert_restored(model, snap, sim)
+
 
 # -- merged streamed segments: a segment's units copied back to back, one event -----------------
 
