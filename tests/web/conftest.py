@@ -127,6 +127,17 @@ class ComfyServer:
     def log_tail(self, n: int = 60) -> str:
         return _tail(self.log_path, n)
 
+    def wait_history(self, prompt_id: str, timeout_s: float) -> dict:
+        """The prompt's ``/history`` entry once it has completed (or failed); fails the test after
+        ``timeout_s`` with the server's log."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                return entry
+            time.sleep(0.25)
+        pytest.fail(f"prompt {prompt_id} did not finish in {timeout_s}s:\n{self.log_tail()}")
+
 
 @pytest.fixture(scope="session")
 def comfyui_path() -> str:
