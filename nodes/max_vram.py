@@ -80,79 +80,67 @@ def _apply(unique_id, kw, pairs):
     return out, report.payload
 
 
-def _unique_id(node_cls) -> str | None:
+def _schema(node_id: str, display_name: str, description: str, model_inputs: list, outputs: list) -> io.Schema:
+    """Both nodes: the budget widgets first (saved workflows store their values in this order),
+    then the model inputs; an output node, so a plan preview runs with nothing downstream."""
+    return io.Schema(node_id=node_id, display_name=display_name, category="VRAMCut", description=description,
+                     inputs=_budget_inputs() + model_inputs, outputs=outputs,
+                     hidden=[io.Hidden.unique_id], is_output_node=True)
+
+
+def _execute(node_cls, budget: dict, pairs) -> io.NodeOutput:
     # ComfyUI runs a node through a clone of its class that holds the hidden inputs.
     hidden = getattr(node_cls, "hidden", None)
-    return getattr(hidden, "unique_id", None) if hidden is not None else None
+    out, payload = _apply(getattr(hidden, "unique_id", None), budget, pairs)
+    return io.NodeOutput(*out, ui={UI_KEY: [payload]})
 
 
 class VRAMCutMaxVRAM(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="VRAMCutMaxVRAM",
-            display_name="Max VRAM (VRAMCut)",
-            category="VRAMCut",
-            description=("Run MODEL, CLIP and VAE under one VRAM budget: each model's forward is cut at "
-                         "block boundaries, as many blocks stay on the GPU as fit, the rest stream in "
-                         "while the previous block computes. The plan is drawn on the node and updates "
-                         "when sampling, encoding or decoding measures the real shapes. Results equal "
-                         "the unpatched model's."),
-            inputs=_budget_inputs() + [
-                io.Model.Input("model", optional=True, tooltip="diffusion model to run under the budget"),
-                io.Clip.Input("clip", optional=True, tooltip="text encoder(s) to run under the budget"),
-                io.Vae.Input("vae", optional=True, tooltip="VAE to run under the budget (decode and encode)"),
-            ],
-            outputs=[
-                io.Model.Output(display_name="model", tooltip="the patched MODEL (None when not connected)"),
-                io.Clip.Output(display_name="clip", tooltip="the patched CLIP (None when not connected)"),
-                io.Vae.Output(display_name="vae", tooltip="the patched VAE (None when not connected)"),
-            ],
-            hidden=[io.Hidden.unique_id],
-            is_output_node=True,
-        )
+        return _schema(
+            "VRAMCutMaxVRAM", "Max VRAM (VRAMCut)",
+            "Run MODEL, CLIP and VAE under one VRAM budget: each model's forward is cut at block "
+            "boundaries, as many blocks stay on the GPU as fit, the rest stream in while the previous "
+            "block computes. The plan is drawn on the node and updates when sampling, encoding or "
+            "decoding measures the real shapes. Results equal the unpatched model's.",
+            [io.Model.Input("model", optional=True, tooltip="diffusion model to run under the budget"),
+             io.Clip.Input("clip", optional=True, tooltip="text encoder(s) to run under the budget"),
+             io.Vae.Input("vae", optional=True, tooltip="VAE to run under the budget (decode and encode)")],
+            [io.Model.Output(display_name="model", tooltip="the patched MODEL (None when not connected)"),
+             io.Clip.Output(display_name="clip", tooltip="the patched CLIP (None when not connected)"),
+             io.Vae.Output(display_name="vae", tooltip="the patched VAE (None when not connected)")])
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
                 model=None, clip=None, vae=None) -> io.NodeOutput:
-        kw = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                  prefetch=prefetch, residency=residency)
-        out, payload = _apply(_unique_id(cls), kw, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
-                                                    ("VAE", vae, patch_vae)])
-        return io.NodeOutput(*out, ui={UI_KEY: [payload]})
+        budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
+                      prefetch=prefetch, residency=residency)
+        return _execute(cls, budget, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
+                                      ("VAE", vae, patch_vae)])
 
 
 class VRAMCutMaxVRAMExtras(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="VRAMCutMaxVRAMExtras",
-            display_name="Max VRAM for upscale / CLIP vision (VRAMCut)",
-            category="VRAMCut",
-            description=("Max VRAM for upscale models and CLIP vision encoders: the same block-level "
-                         "budgeted execution as the Max VRAM node."),
-            inputs=_budget_inputs() + [
-                io.UpscaleModel.Input("upscale_model", optional=True, tooltip="ESRGAN-family upscale model"),
-                io.ClipVision.Input("clip_vision", optional=True, tooltip="CLIP vision encoder"),
-            ],
-            outputs=[
-                io.UpscaleModel.Output(display_name="upscale_model",
-                                       tooltip="the patched upscale model (None when not connected)"),
-                io.ClipVision.Output(display_name="clip_vision",
-                                     tooltip="the patched CLIP vision model (None when not connected)"),
-            ],
-            hidden=[io.Hidden.unique_id],
-            is_output_node=True,
-        )
+        return _schema(
+            "VRAMCutMaxVRAMExtras", "Max VRAM for upscale / CLIP vision (VRAMCut)",
+            "Max VRAM for upscale models and CLIP vision encoders: the same block-level budgeted "
+            "execution as the Max VRAM node.",
+            [io.UpscaleModel.Input("upscale_model", optional=True, tooltip="ESRGAN-family upscale model"),
+             io.ClipVision.Input("clip_vision", optional=True, tooltip="CLIP vision encoder")],
+            [io.UpscaleModel.Output(display_name="upscale_model",
+                                    tooltip="the patched upscale model (None when not connected)"),
+             io.ClipVision.Output(display_name="clip_vision",
+                                  tooltip="the patched CLIP vision model (None when not connected)")])
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
                 upscale_model=None, clip_vision=None) -> io.NodeOutput:
-        kw = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                  prefetch=prefetch, residency=residency)
-        out, payload = _apply(_unique_id(cls), kw, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
-                                                    ("CLIP_VISION", clip_vision, patch_clip_vision)])
-        return io.NodeOutput(*out, ui={UI_KEY: [payload]})
+        budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
+                      prefetch=prefetch, residency=residency)
+        return _execute(cls, budget, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
+                                      ("CLIP_VISION", clip_vision, patch_clip_vision)])
 
 
 NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras]
