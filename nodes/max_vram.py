@@ -18,6 +18,7 @@ log = logging.getLogger("vramcut")
 
 UI_KEY = "vramcut"  # the key web/vramcut.js reads in the node's executed output
 
+
 def _budget_inputs() -> list:
     """The five widgets both nodes share, in the order saved workflows store their values
     (``widgets_values``): the order and the names are the workflow format, never change them."""

@@ -45,6 +45,12 @@ def _dotted(expr, aliases) -> str | None:
     return None
 
 
+def _is_named_lookup(node) -> bool:
+    """``getattr(x, "name", ...)`` or ``hasattr(x, "name")``."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str))
+
+
 def used_host_names(path: pathlib.Path) -> set[str]:
     """Dotted host names one adapter file uses: attribute chains on imported host modules and
     classes, ``getattr``/``hasattr`` with a literal name on them, and ``super().name`` in
@@ -59,8 +65,7 @@ def used_host_names(path: pathlib.Path) -> set[str]:
                 names.add(d)
         elif isinstance(node, ast.Name) and node.id in aliases:
             names.add(aliases[node.id])
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+        if _is_named_lookup(node):
             base = _dotted(node.args[0], aliases)
             if base:
                 names.add(f"{base}.{node.args[1].value}")

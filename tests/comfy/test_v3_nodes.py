@@ -29,8 +29,9 @@ def _served(pack, node_id) -> dict:
 
 
 def _normalised_inputs(info) -> dict:
-    """``{section: [(name, type, options)]}`` for the inputs a workflow saves, a combo written as V1 (``[[choices], {...}]``) and as
-    V3 (``["COMBO", {"options": [choices], ...}]``) alike: the frontend reads both the same way."""
+    """``{section: [(name, type, options)]}`` for the inputs a workflow saves; a combo written as
+    V1 (``[[choices], {...}]``) and as V3 (``["COMBO", {"options": [choices], ...}]``) alike: the
+    frontend reads both the same way."""
     out = {}
     for section in ("required", "optional"):
         rows = []
