@@ -73,6 +73,7 @@ def one(scenario: str, pack_dir: str, depth: int) -> dict:
     tm.import_comfy()
     import comfy.sd
     import dynamic_host as dh
+    from pack_nodes import run_node
 
     torch.set_num_threads(1)
     pack = load_pack(pack_dir)
@@ -87,9 +88,10 @@ def one(scenario: str, pack_dir: str, depth: int) -> dict:
     out = {"scenario": scenario, "weight_bytes": weights, "rss_loaded": rss_bytes()}
 
     def patched(m):
-        node = pack.NODE_CLASS_MAPPINGS["VRAMCutMaxVRAM"]()
         gb = weights * 0.5 / (1 << 30)
-        return node.apply(gb, "fixed", 1.0, True, True, model=m, unique_id="1")["result"][0]
+        out, _ = run_node(pack, "VRAMCutMaxVRAM", "1", max_vram_gb=gb, budget_mode="fixed", reserve_gb=1.0,
+                          prefetch=True, residency=True, model=m)
+        return out[0]
 
     lora = tm.tiny_lora_for(model, seed=1) if scenario.endswith("lora") else None
     with torch.inference_mode():

@@ -1,4 +1,4 @@
 """The ComfyUI adapter: the only code of the pack that imports ``comfy``."""
-from .max_vram import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from .max_vram import NODES, comfy_entrypoint
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+__all__ = ["NODES", "comfy_entrypoint"]

@@ -1,7 +1,14 @@
-"""The Max VRAM nodes (ComfyUI V1 node classes)."""
+"""The Max VRAM nodes, in ComfyUI's V3 node API (``comfy_api.latest``).
+
+The one rule: what a saved workflow stores is the node's contract. Node ids, input names, their
+order (``widgets_values`` is positional), types, defaults and the output order stay as they were
+in the V1 classes, and the ``ui`` payload key the web extension reads stays ``"vramcut"``.
+"""
 from __future__ import annotations
 
 import logging
+
+from comfy_api.latest import ComfyExtension, io
 
 from ..vramcut_core import BudgetError
 from .state import MODES, NodeReport, Settings, VRAMCutError
@@ -9,28 +16,34 @@ from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_
 
 log = logging.getLogger("vramcut")
 
-_BUDGET_INPUTS = {
-    "max_vram_gb": ("FLOAT", {
-        "default": 6.0, "min": 0.0, "max": 1024.0, "step": 0.05, "round": 0.001,
-        "tooltip": "VRAM budget in GiB for each connected model's weights and activations. "
-                   "0 turns VRAMCut off (the inputs pass through unchanged). With 'free VRAM minus "
-                   "reserve' a value above 0 caps the budget."}),
-    "budget_mode": (list(MODES), {
-        "default": "fixed",
-        "tooltip": "fixed: use max_vram_gb. free VRAM minus reserve: when a model first runs, take "
-                   "the GPU's free memory less reserve_gb."}),
-    "reserve_gb": ("FLOAT", {
-        "default": 1.0, "min": 0.0, "max": 1024.0, "step": 0.05, "round": 0.001,
-        "tooltip": "With 'free VRAM minus reserve': GiB left free for other programs and ComfyUI."}),
-    "prefetch": ("BOOLEAN", {
-        "default": True,
-        "tooltip": "Copy the next streamed block to the GPU while the current one computes "
-                   "(two streaming slots). Off: one slot, copy then compute; smaller, slower."}),
-    "residency": ("BOOLEAN", {
-        "default": True,
-        "tooltip": "Keep as many blocks on the GPU as fit the budget, so fewer bytes stream each "
-                   "step. Off: every block streams (the least VRAM for weights)."}),
-}
+UI_KEY = "vramcut"  # the key web/vramcut.js reads in the node's executed output
+
+
+def _budget_inputs() -> list:
+    """The five widgets both nodes share, in the order saved workflows store their values
+    (``widgets_values``): the order and the names are the workflow format, never change them."""
+    return [
+        io.Float.Input(
+            "max_vram_gb", default=6.0, min=0.0, max=1024.0, step=0.05, round=0.001,
+            tooltip="VRAM budget in GiB for each connected model's weights and activations. "
+                    "0 turns VRAMCut off (the inputs pass through unchanged). With 'free VRAM minus "
+                    "reserve' a value above 0 caps the budget."),
+        io.Combo.Input(
+            "budget_mode", options=list(MODES), default="fixed",
+            tooltip="fixed: use max_vram_gb. free VRAM minus reserve: when a model first runs, take "
+                    "the GPU's free memory less reserve_gb."),
+        io.Float.Input(
+            "reserve_gb", default=1.0, min=0.0, max=1024.0, step=0.05, round=0.001,
+            tooltip="With 'free VRAM minus reserve': GiB left free for other programs and ComfyUI."),
+        io.Boolean.Input(
+            "prefetch", default=True,
+            tooltip="Copy the next streamed block to the GPU while the current one computes "
+                    "(two streaming slots). Off: one slot, copy then compute; smaller, slower."),
+        io.Boolean.Input(
+            "residency", default=True,
+            tooltip="Keep as many blocks on the GPU as fit the budget, so fewer bytes stream each "
+                    "step. Off: every block streams (the least VRAM for weights)."),
+    ]
 
 
 def _settings(kw) -> Settings:
@@ -68,78 +81,77 @@ def _apply(unique_id, kw, pairs):
     return out, report.payload
 
 
-class VRAMCutMaxVRAM:
-    DESCRIPTION = ("Run MODEL, CLIP and VAE under one VRAM budget: each model's forward is cut at "
-                   "block boundaries, as many blocks stay on the GPU as fit, the rest stream in while "
-                   "the previous block computes. The plan is drawn on the node and updates when "
-                   "sampling, encoding or decoding measures the real shapes. Results equal the "
-                   "unpatched model's.")
-    CATEGORY = "VRAMCut"
-    FUNCTION = "apply"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ("MODEL", "CLIP", "VAE")
-    RETURN_NAMES = ("model", "clip", "vae")
-    OUTPUT_TOOLTIPS = ("the patched MODEL (None when not connected)",
-                       "the patched CLIP (None when not connected)",
-                       "the patched VAE (None when not connected)")
+def _schema(node_id: str, display_name: str, description: str, model_inputs: list, outputs: list) -> io.Schema:
+    """Both nodes: the budget widgets first (saved workflows store their values in this order),
+    then the model inputs; an output node, so a plan preview runs with nothing downstream."""
+    return io.Schema(node_id=node_id, display_name=display_name, category="VRAMCut", description=description,
+                     inputs=_budget_inputs() + model_inputs, outputs=outputs,
+                     hidden=[io.Hidden.unique_id], is_output_node=True)
+
+
+def _execute(node_cls, budget: dict, pairs) -> io.NodeOutput:
+    # ComfyUI runs a node through a clone of its class that holds the hidden inputs.
+    hidden = getattr(node_cls, "hidden", None)
+    out, payload = _apply(getattr(hidden, "unique_id", None), budget, pairs)
+    return io.NodeOutput(*out, ui={UI_KEY: [payload]})
+
+
+class VRAMCutMaxVRAM(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return _schema(
+            "VRAMCutMaxVRAM", "Max VRAM (VRAMCut)",
+            "Run MODEL, CLIP and VAE under one VRAM budget: each model's forward is cut at block "
+            "boundaries, as many blocks stay on the GPU as fit, the rest stream in while the previous "
+            "block computes. The plan is drawn on the node and updates when sampling, encoding or "
+            "decoding measures the real shapes. Results equal the unpatched model's.",
+            [io.Model.Input("model", optional=True, tooltip="diffusion model to run under the budget"),
+             io.Clip.Input("clip", optional=True, tooltip="text encoder(s) to run under the budget"),
+             io.Vae.Input("vae", optional=True, tooltip="VAE to run under the budget (decode and encode)")],
+            [io.Model.Output(display_name="model", tooltip="the patched MODEL (None when not connected)"),
+             io.Clip.Output(display_name="clip", tooltip="the patched CLIP (None when not connected)"),
+             io.Vae.Output(display_name="vae", tooltip="the patched VAE (None when not connected)")])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": dict(_BUDGET_INPUTS),
-            "optional": {
-                "model": ("MODEL", {"tooltip": "diffusion model to run under the budget"}),
-                "clip": ("CLIP", {"tooltip": "text encoder(s) to run under the budget"}),
-                "vae": ("VAE", {"tooltip": "VAE to run under the budget (decode and encode)"}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    def apply(self, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-              model=None, clip=None, vae=None, unique_id=None):
-        kw = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                  prefetch=prefetch, residency=residency)
-        out, payload = _apply(unique_id, kw, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
-                                              ("VAE", vae, patch_vae)])
-        return {"ui": {"vramcut": [payload]}, "result": tuple(out)}
+    def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
+                model=None, clip=None, vae=None) -> io.NodeOutput:
+        budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
+                      prefetch=prefetch, residency=residency)
+        return _execute(cls, budget, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
+                                      ("VAE", vae, patch_vae)])
 
 
-class VRAMCutMaxVRAMExtras:
-    DESCRIPTION = ("Max VRAM for upscale models and CLIP vision encoders: the same block-level "
-                   "budgeted execution as the Max VRAM node.")
-    CATEGORY = "VRAMCut"
-    FUNCTION = "apply"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ("UPSCALE_MODEL", "CLIP_VISION")
-    RETURN_NAMES = ("upscale_model", "clip_vision")
-    OUTPUT_TOOLTIPS = ("the patched upscale model (None when not connected)",
-                       "the patched CLIP vision model (None when not connected)")
+class VRAMCutMaxVRAMExtras(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return _schema(
+            "VRAMCutMaxVRAMExtras", "Max VRAM for upscale / CLIP vision (VRAMCut)",
+            "Max VRAM for upscale models and CLIP vision encoders: the same block-level budgeted "
+            "execution as the Max VRAM node.",
+            [io.UpscaleModel.Input("upscale_model", optional=True, tooltip="ESRGAN-family upscale model"),
+             io.ClipVision.Input("clip_vision", optional=True, tooltip="CLIP vision encoder")],
+            [io.UpscaleModel.Output(display_name="upscale_model",
+                                    tooltip="the patched upscale model (None when not connected)"),
+             io.ClipVision.Output(display_name="clip_vision",
+                                  tooltip="the patched CLIP vision model (None when not connected)")])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": dict(_BUDGET_INPUTS),
-            "optional": {
-                "upscale_model": ("UPSCALE_MODEL", {"tooltip": "ESRGAN-family upscale model"}),
-                "clip_vision": ("CLIP_VISION", {"tooltip": "CLIP vision encoder"}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    def apply(self, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-              upscale_model=None, clip_vision=None, unique_id=None):
-        kw = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                  prefetch=prefetch, residency=residency)
-        out, payload = _apply(unique_id, kw, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
-                                              ("CLIP_VISION", clip_vision, patch_clip_vision)])
-        return {"ui": {"vramcut": [payload]}, "result": tuple(out)}
+    def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
+                upscale_model=None, clip_vision=None) -> io.NodeOutput:
+        budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
+                      prefetch=prefetch, residency=residency)
+        return _execute(cls, budget, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
+                                      ("CLIP_VISION", clip_vision, patch_clip_vision)])
 
 
-NODE_CLASS_MAPPINGS = {
-    "VRAMCutMaxVRAM": VRAMCutMaxVRAM,
-    "VRAMCutMaxVRAMExtras": VRAMCutMaxVRAMExtras,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "VRAMCutMaxVRAM": "Max VRAM (VRAMCut)",
-    "VRAMCutMaxVRAMExtras": "Max VRAM for upscale / CLIP vision (VRAMCut)",
-}
+NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras]
+
+
+class VRAMCutExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)
+
+
+async def comfy_entrypoint() -> VRAMCutExtension:
+    """ComfyUI's V3 entry point: the pack's nodes, registered under their schema ``node_id``."""
+    return VRAMCutExtension()

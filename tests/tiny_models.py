@@ -101,6 +101,22 @@ def import_comfy() -> str:
     return path
 
 
+def comfy_import_problem() -> Optional[str]:
+    """Why :func:`import_comfy` fails in a fresh interpreter (the skip reason every ComfyUI test
+    gives), or ``None`` when the host imports. For tests that run the host in a subprocess and
+    must tell "host not usable here" (a skip) from "host usable but not used" (a failure)."""
+    import subprocess
+
+    code = ("import tiny_models\n"
+            "try:\n    tiny_models.import_comfy()\n"
+            "except tiny_models.ComfyUINotFound as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"probing the ComfyUI import failed: {r.stderr[-2000:]}")
+    return r.stdout.strip() or None
+
+
 # --------------------------------------------------------------------------------------------
 # Seeded weights
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import tiny_models as tm
+from pack_nodes import run_node
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACK_NAME = "ComfyUI_VRAMCut"
@@ -53,10 +54,9 @@ def max_vram(pack):
     """Apply the Max VRAM node: ``max_vram(model=..., gb=...)`` -> (outputs, payload)."""
 
     def apply(gb, model=None, clip=None, vae=None, node_id="1", **kw):
-        node = pack.NODE_CLASS_MAPPINGS["VRAMCutMaxVRAM"]()
         opts = dict(budget_mode="fixed", reserve_gb=1.0, prefetch=True, residency=True) | kw
-        res = node.apply(gb, opts["budget_mode"], opts["reserve_gb"], opts["prefetch"], opts["residency"],
-                         model=model, clip=clip, vae=vae, unique_id=node_id)
-        return res["result"], res["ui"]["vramcut"][0]
+        out, ui = run_node(pack, "VRAMCutMaxVRAM", node_id, max_vram_gb=gb, **opts,
+                           model=model, clip=clip, vae=vae)
+        return out, ui["vramcut"][0]
 
     return apply

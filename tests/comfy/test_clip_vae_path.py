@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from pack_nodes import run_node
 from unit_checks import assert_peak_within_budget
 
 GIB = 1 << 30
@@ -194,9 +195,9 @@ def test_decode_too_big_for_the_budget_falls_back_to_comfyui_tiling(vae, max_vra
 
 
 def _node_extras(pack, gb, **inputs):
-    node = pack.NODE_CLASS_MAPPINGS["VRAMCutMaxVRAMExtras"]()
-    res = node.apply(gb, "fixed", 1.0, True, True, unique_id="9", **inputs)
-    return res["result"], res["ui"]["vramcut"][0]
+    out, ui = run_node(pack, "VRAMCutMaxVRAMExtras", "9", max_vram_gb=gb, budget_mode="fixed", reserve_gb=1.0,
+                       prefetch=True, residency=True, **inputs)
+    return out, ui["vramcut"][0]
 
 
 def test_upscale_model_matches_unpatched(comfy, pack):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from pack_nodes import run_node
 
 try:
     tm.import_comfy()
@@ -255,9 +256,9 @@ def test_upscale_model(pack):
     dyn = copy.copy(up)
     dyn.patcher = dh.make_dynamic(getattr(up, "patcher", None) or pack.nodes.host.plain_patcher(up.model))
     host_loads(dyn.patcher, up.model)
-    node = pack.NODE_CLASS_MAPPINGS["VRAMCutMaxVRAMExtras"]()
-    res = node.apply(budget_for(up.model), "fixed", 1.0, True, True, upscale_model=dyn, unique_id="9")
-    patched = res["result"][0]
+    out, _ = run_node(pack, "VRAMCutMaxVRAMExtras", "9", max_vram_gb=budget_for(up.model), budget_mode="fixed",
+                      reserve_gb=1.0, prefetch=True, residency=True, upscale_model=dyn)
+    patched = out[0]
     assert not pack.nodes.host.is_dynamic(patched.patcher)
     with DynamicWatch(up.model) as w:
         out = run(patched)
@@ -272,9 +273,9 @@ def test_clip_vision(pack):
     dyn = copy.copy(cv)
     dyn.patcher = dh.make_dynamic(cv.patcher)
     host_loads(dyn.patcher, cv.model)
-    node = pack.NODE_CLASS_MAPPINGS["VRAMCutMaxVRAMExtras"]()
-    res = node.apply(budget_for(cv.model), "fixed", 1.0, True, True, clip_vision=dyn, unique_id="9")
-    patched = res["result"][1]
+    out, _ = run_node(pack, "VRAMCutMaxVRAMExtras", "9", max_vram_gb=budget_for(cv.model), budget_mode="fixed",
+                      reserve_gb=1.0, prefetch=True, residency=True, clip_vision=dyn)
+    patched = out[1]
     assert not pack.nodes.host.is_dynamic(patched.patcher)
     with DynamicWatch(cv.model) as w:
         out = patched.encode_image(image)

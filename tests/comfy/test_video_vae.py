@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from pack_nodes import run_node
 from unit_checks import assert_peak_within_budget
 
 GIB = 1 << 30
@@ -88,9 +89,9 @@ def runs(comfy, pack):
     import comfy.sd
 
     def max_vram(gb, vae):
-        node = pack.NODE_CLASS_MAPPINGS["VRAMCutMaxVRAM"]()
-        res = node.apply(gb, "fixed", 1.0, True, True, model=None, clip=None, vae=vae, unique_id="1")
-        return res["result"][2], res["ui"]["vramcut"][0]
+        out, ui = run_node(pack, "VRAMCutMaxVRAM", "1", max_vram_gb=gb, budget_mode="fixed", reserve_gb=1.0,
+                           prefetch=True, residency=True, vae=vae)
+        return out[2], ui["vramcut"][0]
 
     out = {}
     with tm.torch_threads(THREADS), torch.inference_mode():

@@ -3,7 +3,8 @@
 The server runs ComfyUI's own ``main.py`` as a subprocess on a free loopback port, with
 ``--base-directory`` pointing at a temporary folder that holds:
 
-* ``custom_nodes/ComfyUI-VRAMCut`` -> a symlink to this repository (the real pack);
+* ``custom_nodes/ComfyUI-VRAMCut`` -> a symlink to this repository (the real pack), or to
+  ``$VRAMCUT_PACK_DIR`` when set (a copy installed another way, as ComfyUI Manager installs it);
 * ``user/default/comfy.settings.json`` with ``Comfy.TutorialCompleted`` set, so a fresh browser
   profile is not greeted by the "Get Started with a Template" dialog;
 * ``models/diffusion_models/vramcut_tiny_sd3.safetensors``: a tiny SD3 MMDiT (4 joint blocks,
@@ -127,6 +128,17 @@ class ComfyServer:
     def log_tail(self, n: int = 60) -> str:
         return _tail(self.log_path, n)
 
+    def wait_history(self, prompt_id: str, timeout_s: float) -> dict:
+        """The prompt's ``/history`` entry once it has completed (or failed); fails the test after
+        ``timeout_s`` with the server's log."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                return entry
+            time.sleep(0.25)
+        pytest.fail(f"prompt {prompt_id} did not finish in {timeout_s}s:\n{self.log_tail()}")
+
 
 @pytest.fixture(scope="session")
 def comfyui_path() -> str:
@@ -145,7 +157,9 @@ def comfyui_path() -> str:
 def comfy_server(comfyui_path, tmp_path_factory):
     base = str(tmp_path_factory.mktemp("comfy_base"))
     os.makedirs(os.path.join(base, "custom_nodes"))
-    os.symlink(REPO, os.path.join(base, "custom_nodes", PACK_FOLDER), target_is_directory=True)
+    # $VRAMCUT_PACK_DIR: a copy of the pack installed some other way (CI: by ComfyUI Manager)
+    pack_dir = os.environ.get("VRAMCUT_PACK_DIR") or REPO
+    os.symlink(pack_dir, os.path.join(base, "custom_nodes", PACK_FOLDER), target_is_directory=True)
     os.makedirs(os.path.join(base, "user", "default"))
     with open(os.path.join(base, "user", "default", "comfy.settings.json"), "w") as f:
         json.dump({"Comfy.TutorialCompleted": True}, f)
