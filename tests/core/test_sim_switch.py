@@ -1,0 +1,66 @@
+"""Alternating input shapes (CFG's cond and uncond, batch sizes) on the simulated accelerator.
+
+A sampling step runs the model on two or more cached signatures in turn. After warm-up (each
+shape measured once), a steady step, any mix of cached shapes, must not block the host (no
+stream, event or device synchronize) and must not call ``empty_cache`` (a device-wide
+synchronisation under ``cudaMallocAsync``, the default allocator of cu130 builds). Outputs stay
+bit-equal and the reserved peak within the budget over the whole run.
+"""
+import torch
+
+from test_sim_cuda import budget_for, cuda_engine, fresh_peak, reserved_peak_within, sim  # noqa: F401
+from toys import FluxLike, seeded
+
+STEPS = 10
+
+
+def shapes(kind):
+    """Two input signatures: the same buffers in both plans ("same"), or the second's larger
+    activations plan fewer residents and one slot ("reshaped")."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(2, 5, 16, generator=g), torch.rand(2, generator=g))
+    if kind == "same":
+        b = (torch.randn(1, 9, 16, generator=g), torch.rand(1, generator=g))
+    else:
+        b = (torch.randn(2, 40, 16, generator=g), torch.rand(2, generator=g))
+    return a, b
+
+
+def alternate(sim, kind):
+    """Warm up on both shapes, then ``STEPS`` alternating forwards: (host syncs, empty_cache
+    calls) per steady forward, and whether every output was bit-equal."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(FluxLike(d=48))
+        a, b = shapes(kind)
+        refs = {0: model(*a), 1: model(*b)}
+    with torch.no_grad():
+        budget = budget_for(model, *a)
+        eng = cuda_engine(model, budget)
+        base = fresh_peak(sim)
+        outs, exact = [], True
+        with eng.session():
+            for i in range(4):                       # warm-up: each shape measured, then planned
+                outs.append(eng.run(model, *(a, b)[i % 2]))
+            syncs, caches = sim.host_syncs, sim.empty_cache_calls
+            for i in range(STEPS):
+                o = eng.run(model, *(a, b)[i % 2])
+                exact &= torch.equal(o, refs[i % 2])
+                outs.append(o)
+            per = ((sim.host_syncs - syncs) / STEPS, (sim.empty_cache_calls - caches) / STEPS)
+        plans = (eng.plan_for(a), eng.plan_for(b))
+        reserved_peak_within(sim, budget, base, held=outs)
+    return per, exact, plans
+
+
+def test_alternating_shapes_same_buffers_no_host_sync(sim):
+    (syncs, caches), exact, _ = alternate(sim, "same")
+    assert exact
+    assert syncs == 0, f"{syncs} host syncs per steady forward"
+    assert caches == 0, f"{caches} empty_cache calls per steady forward"
+
+
+def test_alternating_shapes_whose_plans_differ_no_host_sync_no_empty_cache(sim):
+    (syncs, caches), exact, (pa, pb) = alternate(sim, "reshaped")
+    assert exact
+    assert syncs == 0, f"{syncs} host syncs per steady forward"
+    assert caches == 0, f"{caches} empty_cache calls per steady forward"
