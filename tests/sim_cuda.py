@@ -579,9 +579,11 @@ class _SimMode(TorchDispatchMode):
             sim.raise_pending()
         stream = sim.current()
         if stream.eager and sim.n_devices > 1:
-            # an operator runs on the current stream of the device its tensors are on
+            # an operator runs on the compute stream of the device its tensors are on (a new
+            # tensor for "cuda" with no index: the current device)
             dev = sim.op_device(tensors, kwargs)
-            if dev is not None and dev != stream.dev:
+            dev = sim.current_device if dev is None else dev
+            if dev != stream.dev:
                 stream = sim.computes[dev]
         if sim.host_ctx and stream.eager:   # CPU work on host tensors (a model loaded on the CPU)
             written = _written(func, args, kwargs)
