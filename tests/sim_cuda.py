@@ -342,6 +342,8 @@ class SimCuda:
         self.ops = 0
         self.host_syncs = 0               # host waits (stream, event, device synchronize)
         self.peak_resets = 0
+        self.pinned_peak = 0              # most bytes from torch's page-locked allocator alive at once
+        self.pageable_async: list[str] = []  # non-blocking copies from pageable host memory (they stall)
         SimCuda.active = self
         self.computes = {d: SimStream(d, sim=self, eager=True) for d in range(devices)}
         self.compute = self.computes[0]
@@ -620,8 +622,17 @@ class _SimMode(TorchDispatchMode):
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             out = dst
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         else:
             src = args[0]
+            blocking = not kwargs.get("non_blocking", False)
+        host = sim.recs.get(src.untyped_storage().data_ptr())
+        host = host if host is not None and host.host else None
+        if host is not None and not blocking and not host.torch_pinned and host.base not in sim.registered:
+            # CUDA stages a pageable source through its own buffer and returns only when it is
+            # staged: the host stalls where the code asked it not to
+            sim.pageable_async.append(f"{func} of {src.untyped_storage().nbytes()} B")
+        if func is not aten.copy_.default:
             dtype = kwargs.get("dtype") or src.dtype
             out = torch.empty(src.shape, dtype=dtype)
             _fill_fresh(out)
@@ -633,6 +644,11 @@ class _SimMode(TorchDispatchMode):
         keep = src if (r := sim.recs.get(src.untyped_storage().data_ptr())) is not None and r.torch_pinned else None
         # torch's host allocator keeps a page-locked source until the copy has run
         stream.queue.append(("op", pos, lambda d=_WeakView(dst), s=_WeakView(src), k=keep: _deferred_copy(d, s)))
+        if host is not None and blocking:
+            # a blocking copy from host memory returns when it is done: the host waits for it
+            sim.host_syncs += 1
+            sim.flush(stream, pos)
+            sim.host_observes(dict(stream.clock))
         return out
 
 
@@ -765,6 +781,7 @@ def simulated_cuda(monkeypatch, devices: int = 1):
                 t = self.clone()
             rec = sim.track_new(t, sim.current(), host=True)
             rec.torch_pinned = True
+            sim.pinned_peak = max(sim.pinned_peak, sim.live_pinned_bytes())
             return t
         finally:
             sim.host_ctx -= 1
