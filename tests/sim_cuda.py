@@ -90,6 +90,8 @@ class SimAllocator:
         self.at_peak = ""
         self.at_peak_blocks = 0
         self.on_reuse = on_reuse
+        self.cap: int | None = None      # set_per_process_memory_fraction x total memory
+        self.ooms = 0
 
     @property
     def segments(self):
@@ -107,6 +109,16 @@ class SimAllocator:
         if best is None:
             last = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
             grow = n - (last.size if last else 0)
+            if self.cap is not None and self.reserved + grow > self.cap:
+                # as the caching allocator does: give back cached blocks, then fail
+                self.empty_cache()
+                last = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
+                grow = n - (last.size if last else 0)
+                if self.reserved + grow > self.cap:
+                    self.ooms += 1
+                    raise torch.OutOfMemoryError(
+                        f"CUDA out of memory (simulated). Tried to allocate {n} B; {self.reserved} B reserved "
+                        f"of the {self.cap} B this process is allowed (set_per_process_memory_fraction)")
             if last is None:
                 last = _Block(seg, seg.size, 0, True)
                 seg.blocks.append(last)
@@ -326,6 +338,7 @@ class SimCuda:
         self.current_device = 0
         self.device_calls: list[tuple[str, int]] = []   # calls that named no device: (what, device used)
         self.empty_cache_calls = 0
+        self.fraction_calls: list[float] = []
         self.streams: list[SimStream] = []
         self.hazards: list[str] = []
         self.recorded_types: list[str] = []  # the type of every tensor record_stream was called on
@@ -382,6 +395,13 @@ class SimCuda:
         self.device_calls.append(("empty_cache()", self.current_device))
         for a in self.allocs.values():
             a.empty_cache()
+
+    total_memory = 1 << 36   # what get_device_properties reports for every simulated device
+
+    def set_memory_fraction(self, fraction: float, device=None) -> None:
+        a = self.alloc_of(device, "set_per_process_memory_fraction()")
+        a.cap = None if fraction >= 1.0 else int(fraction * self.total_memory)
+        self.fraction_calls.append(fraction)
 
     def live_pinned_bytes(self) -> int:
         """Host bytes from torch's page-locked allocator (pin_memory) that are alive now."""
@@ -721,6 +741,11 @@ def _written(func, args, kwargs) -> list:
 
 # -- installing it ----------------------------------------------------------------------------
 
+class _SimProps:
+    def __init__(self, total: int, index: int) -> None:
+        self.total_memory, self.index, self.name = total, index, f"simulated cuda:{index}"
+
+
 class _SimDevice:
     """``torch.cuda.device(i)``: the current device inside the block."""
 
@@ -809,6 +834,11 @@ def simulated_cuda(monkeypatch, devices: int = 1):
         sim.alloc_of(device).reset_peak()
 
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset_peak)
+    monkeypatch.setattr(cuda, "set_per_process_memory_fraction", sim.set_memory_fraction)
+    monkeypatch.setattr(cuda, "get_device_properties",
+                        lambda device=None: _SimProps(sim.total_memory, sim.device_index(device, "get_device_properties()")))
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (
+        sim.total_memory - sim.alloc_of(device, "mem_get_info()").reserved, sim.total_memory))
     monkeypatch.setattr(cuda, "empty_cache", sim.empty_cache)
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
     monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
