@@ -7,45 +7,9 @@ out-of-memory error at the allocation, turned into ``OverBudget`` and a finer cu
 peak stays within the budget on every forward, the first (measuring) ones included.
 """
 import torch
-from torch import nn
 
 from test_sim_cuda import cuda_engine, fresh_peak, probe_plan, reserved_peak_within, sim  # noqa: F401
-from toys import seeded
-
-
-class Temp(nn.Module):
-    """A large temporary, freed before the module returns (``k`` times its input)."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.k = k
-
-    def forward(self, x):
-        big = x.unsqueeze(-1).expand(*x.shape, self.k).contiguous()
-        return x + big.amax(-1)
-
-
-class TempBlock(nn.Module):
-    def __init__(self, d: int, k: int) -> None:
-        super().__init__()
-        self.a, self.temp, self.b, self.c = nn.Linear(d, d), Temp(k), nn.Linear(d, d), nn.Linear(d, d)
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.b(self.temp(self.a(x)))))
-
-
-class TempStack(nn.Module):
-    def __init__(self, d: int = 64, depth: int = 6, k: int = 8) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, d)
-        self.blocks = nn.ModuleList(TempBlock(d, k) for _ in range(depth))
-        self.out = nn.Linear(d, 16)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.out(h)
+from toys import TempStack, seeded
 
 
 def test_measuring_forward_with_an_intra_module_temporary_stays_within_budget(sim):
