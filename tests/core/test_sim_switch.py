@@ -68,6 +68,18 @@ def test_alternating_shapes_same_buffers_no_host_sync(sim):
 def test_alternating_shapes_whose_plans_differ_no_host_sync_no_empty_cache(sim):
     (syncs, caches), exact, (pa, pb), over = alternate(sim, "reshaped")
     assert exact
+    assert pa is pb, "alternating shapes whose plans lay the buffers out differently share one plan"
     assert over is None, over
     assert syncs == 0, f"{syncs} host syncs per steady forward"
     assert caches == 0, f"{caches} empty_cache calls per steady forward"
+
+
+def test_joint_measurements_take_the_most_of_each_unit_and_refuse_other_units():
+    from vramcut_core.measure import UnitMeasurement, joint_measurements
+    a = {"x": UnitMeasurement(10, 50), "y": UnitMeasurement(20, 30, calls=2)}
+    b = {"x": UnitMeasurement(12, 40), "y": UnitMeasurement(5, 90)}
+    j = joint_measurements([a, b])
+    assert list(j) == ["x", "y"]
+    assert (j["x"].entry_bytes, j["x"].peak_bytes, j["y"].peak_bytes, j["y"].calls) == (12, 50, 90, 2)
+    assert joint_measurements([a, {"y": b["y"], "x": b["x"]}]) is None
+    assert joint_measurements([a, {"x": b["x"]}]) is None
