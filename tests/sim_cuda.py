@@ -90,6 +90,7 @@ class SimAllocator:
         self.at_peak = ""
         self.at_peak_blocks = 0
         self.on_reuse = on_reuse
+        self.high_allocated = 0          # like max_allocated, but never reset by the code under test
         self.cap: int | None = None      # set_per_process_memory_fraction x total memory
         self.ooms = 0
 
@@ -137,6 +138,7 @@ class SimAllocator:
         best.prev = []
         self.allocated += n
         self.max_allocated = max(self.max_allocated, self.allocated)
+        self.high_allocated = max(self.high_allocated, self.allocated)
         if self.reserved > self.max_reserved:
             self.max_reserved = self.reserved
             self.at_peak = self.describe()
@@ -835,6 +837,9 @@ def simulated_cuda(monkeypatch, devices: int = 1):
 
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset_peak)
     monkeypatch.setattr(cuda, "set_per_process_memory_fraction", sim.set_memory_fraction)
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device=None: (
+        1.0 if (a := sim.alloc_of(device, "get_per_process_memory_fraction()")).cap is None
+        else a.cap / sim.total_memory))
     monkeypatch.setattr(cuda, "get_device_properties",
                         lambda device=None: _SimProps(sim.total_memory, sim.device_index(device, "get_device_properties()")))
     monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (

@@ -155,6 +155,26 @@ class _PinLedger:
         self.bytes = 0
         self.cap: int | None = None
         self.room: Callable[[], int] | None = None
+        # Staging buffers from torch's page-locked host allocator: it keeps them cached, so the
+        # most staged at once (rounded as it rounds) stays page-locked, counted in ``bytes``.
+        self.staging = 0
+        self._in_flight: list[tuple[object, int]] = []   # (event of the copy reading it, bytes)
+
+    def staging_room(self, n: int) -> bool:
+        """Whether staging ``n`` more bytes now stays within the cap and the host's room."""
+        self._in_flight = [(ev, b) for ev, b in self._in_flight if not ev.query()]
+        grow = sum(b for _, b in self._in_flight) + _host_alloc_size(n) - self.staging
+        return grow <= 0 or self.allows(grow)
+
+    def staged(self, done, n: int) -> None:
+        """``n`` bytes were staged for the copy that ``done`` marks."""
+        if not n:
+            return
+        self._in_flight.append((done, n))
+        now = sum(b for _, b in self._in_flight)
+        if now > self.staging:
+            self.bytes += now - self.staging
+            self.staging = now
 
     def limit(self) -> int | None:
         if self.cap is None:
@@ -197,10 +217,17 @@ def _unpin(buf: torch.Tensor, readers: dict, place: torch.device) -> None:
     PINNED.bytes -= buf.numel()
 
 
+def _host_alloc_size(n: int) -> int:
+    """What torch's page-locked host allocator reserves for ``n`` bytes (a power of two)."""
+    return 1 << max(0, n - 1).bit_length() if n else 0
+
+
 def _staged(buf: torch.Tensor, place: torch.device) -> tuple[torch.Tensor, bool]:
     """A page-locked copy of a pageable master from torch's host allocator (reused after the copy
     that reads it has finished), so the device copy stays asynchronous; the master itself where
-    that fails."""
+    that fails or the page-locked room is spent (copied synchronously, on purpose)."""
+    if not PINNED.staging_room(buf.numel()):
+        return buf, False
     try:
         return buf.pin_memory(), True
     except RuntimeError:
@@ -268,6 +295,24 @@ class _HostMaster:
         if self._fin is not None:
             self._fin()
         self.pinned = False
+
+
+def _masters_holding(unit: Unit) -> list:
+    """Masters of ours whose buffers hold ``unit``'s tensors although they are not its own (a
+    part of a unit cut finer still lives in the whole unit's master): a copy from them must be
+    waited for before they are unpinned."""
+    spans = {(m.buf.data_ptr(), m.buf.data_ptr() + m.buf.numel()): m for m in list(_SHARED_MASTERS.values())
+             if m.pinned}
+    out = []
+    for ut in unit.tensors:
+        try:
+            ptr = ut.tensor.data_ptr()
+        except RuntimeError:
+            continue
+        for (lo, hi), m in spans.items():
+            if lo <= ptr < hi and m not in out:
+                out.append(m)
+    return out
 
 
 class _DeviceCopy:
@@ -359,6 +404,7 @@ class SegmentedExecutor:
         self._reset_peak = True
         self._last_plan: Plan | None = None
         self._stale_copies = False
+        self._staged_bytes = 0   # page-locked staging bytes of the transfer being issued
         # Other streams that read the weights while they are swapped in (the host's offload
         # streams): each waits on the same copy events as the compute stream.
         self.reader_streams: Callable[[], list] | None = None
@@ -421,6 +467,7 @@ class SegmentedExecutor:
         self.failed_unit = None
         self.peak_weight_bytes = self.device_bytes  # this forward's peak, not the executor's lifetime's
         global_hooks = []
+        capped = None   # the allocator's fraction to restore after a capped measuring forward
         try:
             self._release_others()
             if self.cuda:
@@ -431,7 +478,7 @@ class SegmentedExecutor:
                     torch.cuda.reset_peak_memory_stats(self.device)
                     self._base_reserved = torch.cuda.memory_reserved(self.device) - self.device_bytes
                 start_ev = torch.cuda.Event(enable_timing=True)
-                start_ev.record()
+                start_ev.record(torch.cuda.current_stream(self.device))
             self._last_plan = plan
             resumed = self._resume_held(plan, measure)
             if not resumed:
@@ -446,6 +493,8 @@ class SegmentedExecutor:
             self._input_bytes = _input_bytes(args, kwargs, self.device) if self._meter is not None else 0
             if self._meter is not None:
                 self._meter.start()
+            if self.cuda and self._limit is not None:
+                capped = self._cap_allocator(self._limit)
             if not resumed:
                 self._hook_units(plan, self._meas is not None)
             if self.cuda and self._limit is not None:
@@ -456,7 +505,15 @@ class SegmentedExecutor:
             out = fn(*args, **kwargs)
             ok = True
             return out, stats, self._finish_measure()
+        except torch.OutOfMemoryError:
+            if capped is None:
+                raise
+            # the cap stopped an allocation (an intra-module temporary) that would pass the budget
+            act = max(self._act_seen, self._limit - self.peak_weight_bytes + 1)
+            raise OverBudget("activations", self._current, self.peak_weight_bytes, act, self._limit) from None
         finally:
+            if capped is not None:
+                torch.cuda.set_per_process_memory_fraction(capped, self.device)
             for h in global_hooks:
                 h.remove()
             if not ok:
@@ -473,7 +530,7 @@ class SegmentedExecutor:
                     self._prefetch_first(plan)  # wrap around: ready for the next forward
                 if self.cuda:
                     end_ev = torch.cuda.Event(enable_timing=True)
-                    end_ev.record()
+                    end_ev.record(torch.cuda.current_stream(self.device))
                     self._collect_cuda_stats(stats, start_ev, end_ev)
                 else:
                     # CPU copies are synchronous: compute waits for every one of them
@@ -520,7 +577,7 @@ class SegmentedExecutor:
         self._last_plan = None
         self._stale_copies = False
         if self.cuda:
-            torch.cuda.empty_cache()  # hazard: freed buffers stay reserved, lost to other programs
+            self._empty_cache()  # hazard: freed buffers stay reserved, lost to other programs
 
     def invalidate(self) -> None:
         """The host writes (or wrote) into the weights in place (hook LoRAs): device copies held
@@ -551,6 +608,24 @@ class SegmentedExecutor:
         self._layouts.clear()
 
     # -- buffers ---------------------------------------------------------------------------
+
+    def _cap_allocator(self, limit: int) -> float:
+        """A measuring forward on CUDA: cap this process's memory on the device at what others
+        hold now plus the budget, so that an allocation that would pass the budget (a temporary
+        made and freed inside one module, which no hook sees) fails where it is made, and the
+        engine cuts finer. Returns the fraction to restore."""
+        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        prev = get(self.device) if get is not None else 1.0
+        # hazard: cached blocks would serve a temporary past the budget without touching the cap
+        self._empty_cache()
+        others = torch.cuda.memory_allocated(self.device) - self.device_bytes - self._input_bytes
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (others + limit) / total), self.device)
+        return prev
+
+    def _empty_cache(self) -> None:
+        with torch.cuda.device(self.device):  # the executor's device, not the current one
+            torch.cuda.empty_cache()
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         ctx = self._meter.paused() if isinstance(self._meter, CPUMeter) else contextlib.nullcontext()
@@ -598,8 +673,11 @@ class SegmentedExecutor:
         else:  # a unit the new plan keeps resident must not also sit in a slot; groups it cuts
             kept = set(groups)  # differently are copied again
             self._drop_slot_copies(lambda g: g not in kept or any(n in resident for n in g))
-        if freed and self.cuda:
-            torch.cuda.empty_cache()  # hazard: the freed blocks stay reserved next to the new ones
+        grows = len(self._slots) < plan.slots or any(n not in self._resident for n in plan.resident_units)
+        if (freed or grows) and self.cuda:
+            # hazard: blocks freed (or cached by the last forward's activations) stay reserved
+            # next to the new buffers; only when buffers change (a new plan), never in a steady step
+            self._empty_cache()
         self._resident_names = resident
         want_slots = plan.slots
         for name in plan.resident_units:
@@ -653,7 +731,9 @@ class SegmentedExecutor:
             freed = True
         if len(self._slots) > plan.slots or any(s.buf.numel() != plan.slot_bytes for s in self._slots):
             if self.cuda:
-                self._copy_stream.synchronize()  # hazard: freeing a slot a prefetch still writes
+                # hazard: freeing a slot a prefetch still writes (the allocator hands it out again
+                # on the compute stream, which now runs after the copy: no host wait)
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             for s in self._slots:
                 self._account(-s.buf.numel() - self._slot_other_bytes(s))
             self._slots = []
@@ -728,18 +808,20 @@ class SegmentedExecutor:
                     self._copy_stream.wait_event(ev)
                     ev_start.record(self._copy_stream)
                 base = 0
+                self._staged_bytes = 0
                 for name in names:
                     out[name] = self._copy_unit(name, buf, base, masters[name], compute)
                     base += self.layout(name).nbytes
                 if self.cuda:
                     done = torch.cuda.Event(enable_timing=True)
                     done.record(self._copy_stream)
+                    PINNED.staged(done, self._staged_bytes)
                     for dc in out.values():
                         dc.ready = done
                     self._events.append((ev_start, done))
-                    for m in masters.values():
-                        if m is not None:
-                            m.read_by(self._copy_stream, done)
+                    for n, m in masters.items():
+                        for owner in ([m] if m is not None else _masters_holding(self._unit(n))):
+                            owner.read_by(self._copy_stream, done)
         other = sum(self.layout(n).other_bytes for n in names)
         if other:
             self._account(other)
@@ -764,6 +846,8 @@ class SegmentedExecutor:
         if master is not None and lay.nbytes:
             # a pageable master would make the copy wait for the compute stream on the host
             src_buf, async_ok = (master.buf, True) if master.pinned else _staged(master.buf, self._place)
+            if src_buf is not master.buf:
+                self._staged_bytes += _host_alloc_size(src_buf.numel())
         if src_buf is not None:
             buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
             for i, off, n in lay.flat:
@@ -774,23 +858,30 @@ class SegmentedExecutor:
             for i, off, n in lay.flat:
                 src = self._host(name, i)
                 v = _view(buf, base + off, n, src)
-                v.copy_(src, non_blocking=self.cuda)
+                v.copy_(src, non_blocking=self._async_from(src))
                 dc.views[i] = v
             for i, spans in lay.quant.items():
                 t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
                 views = _quant_views(buf, t, spans, base)
                 for v, p in zip(views, quant.parts(t)):
-                    v.copy_(p, non_blocking=self.cuda)
+                    v.copy_(p, non_blocking=self._async_from(p))
                 dc.parts[i] = views
         for i in lay.other:
             src = self._host(name, i)
-            dev = src.to(self._place, non_blocking=self.cuda, copy=True)
+            dev = src.to(self._place, non_blocking=self._async_from(src), copy=True)
             if self.cuda:
                 # allocated on the copy stream, used on the compute stream: keep the
                 # allocator from reusing it before compute is done with it
                 dev.record_stream(compute)
             dc.views[i] = dev
         return dc  # a staging buffer goes back to torch's host cache (reused after the copy)
+
+    def _async_from(self, src: torch.Tensor) -> bool:
+        """Whether a copy from ``src`` may be asynchronous: on CUDA from page-locked memory only.
+        hazard: a non-blocking copy from pageable memory makes the host wait anyway (CUDA stages
+        it), unseen; it is made synchronous here on purpose (pin_memory off, a master left
+        pageable with no room to stage it)."""
+        return self.cuda and src.is_pinned()
 
     def _order_readers(self, ready) -> None:
         """Every stream that reads the weights waits for the copy that put them there."""
@@ -832,8 +923,11 @@ class SegmentedExecutor:
             ut = unit.tensors[i]
             saved[i] = ut.tensor
             new = quant.rebuild(ut.tensor, views)
-            if isinstance(ut.tensor, nn.Parameter) and not isinstance(new, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=False)
+            if isinstance(ut.tensor, nn.Parameter):
+                # not nn.Parameter(new): on a subclass that detaches it, and comfy-kitchen's detach
+                # clones the scales, reading a slot the copy stream may still be writing into
+                # memory the budget does not count
+                new = quant.as_parameter(new)
             for r in ut.refs:
                 r.set(new)
         self._swapped[name] = saved
@@ -1169,14 +1263,11 @@ class SegmentedExecutor:
         return {n: self._meas[n] for n in self._order}
 
     def _collect_cuda_stats(self, stats: RunStats, start_ev, end_ev) -> None:
-        # The forward's own kernels must be done to time it (the caller reads the output next
-        # anyway). The copy stream is not waited for: the prefetch for the next forward keeps
-        # running, and copies still in flight are counted when they have landed.
         # Nothing is waited for here (the CPU runs ahead into the next forward): events that
         # have completed are timed now, the others when a later forward ends.
         if self._reset_peak:
-            # a peak read needs this forward's kernels done (only measured or switching forwards)
-            end_ev.synchronize()
+            # (the allocator's statistics are kept by the host at each allocation: reading them
+            # needs no wait for the kernels)
             # the meter resets the allocator's peak per unit: the forward's peak is the largest seen
             stats.peak_device_bytes = max(max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device)) - self._base,
                                           torch.cuda.max_memory_reserved(self.device) - self._base_reserved)

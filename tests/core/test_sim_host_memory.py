@@ -23,13 +23,13 @@ def test_staging_buffers_are_counted_as_page_locked(sim, monkeypatch):
     page-locked staging buffers from torch's host allocator, which keeps them cached. Those
     bytes are page-locked memory the pack uses: the report (and the room left to the host's own
     limit) must count them."""
-    monkeypatch.setattr(ex.PINNED, "bytes", 0)
     model, x, ref = model_and_ref(sim)
     with torch.no_grad():
         budget = budget_for(model, x)
         for m in list(ex._SHARED_MASTERS.values()):
             m.release()
         ex._SHARED_MASTERS.clear()
+        monkeypatch.setattr(ex.PINNED, "bytes", 0)
         sim.register_error = lambda ptr, size: 2
         sim.pinned_peak = 0
         eng = cuda_engine(model, budget)

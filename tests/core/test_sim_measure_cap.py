@@ -6,6 +6,8 @@ forward runs, the caching allocator is capped at the budget, so such an overshoo
 out-of-memory error at the allocation, turned into ``OverBudget`` and a finer cut: the reserved
 peak stays within the budget on every forward, the first (measuring) ones included.
 """
+import gc
+
 import torch
 
 from test_sim_cuda import cuda_engine, fresh_peak, probe_plan, reserved_peak_within, sim  # noqa: F401
@@ -35,3 +37,5 @@ def test_measuring_forward_with_an_intra_module_temporary_stays_within_budget(si
         assert eng.last_plan.split, "the overshoot must become a finer cut"
         reserved_peak_within(sim, budget, base, held=outs)
     assert all(a.cap is None for a in sim.allocs.values()), "the cap must be lifted after measuring"
+    del eng
+    gc.collect()   # the executors go while this simulator runs (their masters are unpinned here)
