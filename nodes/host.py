@@ -163,6 +163,7 @@ class PatchState:
         self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
+        self.teardown_pending = False  # the host tore the model down during a forward: release after it
 
     def on_model_patcher_clone(self):
         return self
@@ -203,6 +204,18 @@ class PatchState:
             if not e.executor.running:
                 e.keep_buffers(False)
                 e.release()
+
+    def before_teardown(self) -> bool:
+        """The host is about to detach or unpatch the model (and move it to its offload device):
+        the engines give their device copies back first, nothing copied back (the host masters
+        are the truth), so the host's move finds every weight on the host. While a forward runs
+        on the weights nothing is taken from under it: False, and the engines let go when it
+        ends."""
+        if self.running:
+            self.teardown_pending = True
+            return False
+        self.release()
+        return True
 
     def outside(self, path: str) -> None:
         """Say on the node (and once in the log) that a call path runs outside the budget."""
@@ -259,6 +272,9 @@ class PatchState:
             raise
         finally:
             engine.executor.on_loaded = None
+            if self.teardown_pending and not self.running:
+                self.teardown_pending = False
+                self.release()
 
 
 # The tile sizes ComfyUI's VAE falls back to after an out-of-memory error (latent units for a
@@ -515,6 +531,9 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         return out
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
+        st = state_of(self)
+        if unpatch_weights and st is not None and not st.before_teardown():
+            device_to = None  # a forward runs on the engines' device copies: move nothing under it
         try:
             return super().unpatch_model(device_to, unpatch_weights=unpatch_weights)
         finally:
@@ -522,6 +541,9 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
                 _give_back_to_dynamic(self.model)
 
     def detach(self, unpatch_all=True):
+        st = state_of(self)
+        if st is not None:
+            st.before_teardown()  # (the host's unpatch_model inside does it too; idempotent)
         try:
             return super().detach(unpatch_all=unpatch_all)
         finally:
