@@ -774,10 +774,10 @@ def _placement(device: torch.device) -> torch.device:
 @contextlib.contextmanager
 def simulated_cuda(monkeypatch, devices: int = 1):
     """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator."""
-    from vramcut_core import executor as ex
+    from vramcut_core.runtime import device_memory, host_memory
 
     sim = SimCuda(devices)
-    orig_host_buffer = ex._host_buffer
+    orig_host_buffer = host_memory._host_buffer
 
     def host_buffer(nbytes):
         sim.host_ctx += 1
@@ -814,8 +814,8 @@ def simulated_cuda(monkeypatch, devices: int = 1):
             sim.host_ctx -= 1
 
     cuda = torch.cuda
-    monkeypatch.setattr(ex, "_placement", _placement)
-    monkeypatch.setattr(ex, "_host_buffer", host_buffer)
+    monkeypatch.setattr(device_memory, "_placement", _placement)
+    monkeypatch.setattr(host_memory, "_host_buffer", host_buffer)
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))

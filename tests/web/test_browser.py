@@ -403,7 +403,7 @@ def test_decode_updates_the_plan_with_measured_shapes_in_history(comfy_server):
 
 # ------------------------------------------------------------- a real VAE decode in the browser
 
-# Colours the extension draws with (web/vramcut.js COLORS); only resident / streamed are also on
+# Colours the extension draws with (web/plan/theme.js COLORS); only resident / streamed are also on
 # the element's dataset.
 ACTIVATION_COLOR = "#a78bfa"
 IDLE_COLOR = "#6b7280"

@@ -1,0 +1,437 @@
+// The canvas drawing: lays out and paints one node's plan, at any width, zoom and palette.
+//
+// `render` is one pass that both measures and paints (a pen with paint off only measures), so the
+// height the node grows to always matches what is drawn. The named draw functions below each
+// draw one part (header, banner, one model: its title, answer line, VRAM bar, segments, counts,
+// warnings; the legend) and leave the pen below it; each adds the hover regions for its tooltips.
+// Rule: draw Python's figures, never recompute the plan; touch no DOM but the canvas context,
+// and do nothing at import (ComfyUI also loads this file on its own as an extension script).
+
+import { isIdle, isStreamed, asArray, summarize } from "./payload.js";
+import { answer, budgetFix, costTip, fmtBytes, gib, sharedPrefix, shortSegmentName } from "./format.js";
+import { COLORS } from "./theme.js";
+
+export const LOW_ZOOM = 0.6;  // LiteGraph draws no text below this scale: the plan keeps its answer
+const READABLE_PX = 11;       // on-screen text size the low-zoom view aims for
+export const HEADER_H = 22;   // the header row (the buttons sit in it)
+
+function fitText(ctx, text, maxW) {
+  text = String(text);
+  if (maxW <= 0) return "";
+  if (ctx.measureText(text).width <= maxW) return text;
+  let lo = 0;
+  let hi = text.length;
+  while (lo < hi) {
+    const mid = (lo + hi + 1) >> 1;
+    if (ctx.measureText(text.slice(0, mid) + "…").width <= maxW) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo ? text.slice(0, lo) + "…" : "";
+}
+
+function wrapText(ctx, text, maxW, maxLines = 4) {
+  const words = String(text).split(/\s+/).filter(Boolean);
+  const lines = [];
+  let cur = "";
+  for (const w of words) {
+    const next = cur ? `${cur} ${w}` : w;
+    if (ctx.measureText(next).width <= maxW || !cur) cur = next;
+    else {
+      lines.push(cur);
+      cur = w;
+    }
+  }
+  if (cur) lines.push(cur);
+  if (lines.length > maxLines) {
+    const kept = lines.slice(0, maxLines);
+    kept[maxLines - 1] = fitText(ctx, lines.slice(maxLines - 1).join(" "), maxW);
+    return kept;
+  }
+  return lines.map((l) => fitText(ctx, l, maxW));
+}
+
+function roundRect(ctx, x, y, w, h, r) {
+  r = Math.max(0, Math.min(r, w / 2, h / 2));
+  ctx.beginPath();
+  ctx.moveTo(x + r, y);
+  ctx.arcTo(x + w, y, x + w, y + h, r);
+  ctx.arcTo(x + w, y + h, x, y + h, r);
+  ctx.arcTo(x, y + h, x, y, r);
+  ctx.arcTo(x, y, x + w, y, r);
+  ctx.closePath();
+}
+
+/**
+ * What the draw functions share: the context, the width W, the theme, `paint` (off: measure
+ * only), the running `y` and the hover regions [{x, y, w, h, tip, section?}].
+ */
+function makePen(ctx, W, theme, paint) {
+  return {
+    ctx,
+    W,
+    theme,
+    paint,
+    y: 0,
+    regions: [],
+    font: (size, weight = 400) => `${weight} ${size}px ${theme.font}`,
+    text(s, x, y, color, font, align = "left") {
+      if (!paint) return;
+      ctx.font = font;
+      ctx.fillStyle = color;
+      ctx.textAlign = align;
+      ctx.textBaseline = "middle";
+      ctx.fillText(s, x, y);
+    },
+    rect(x, y, w, h, color) {
+      if (!paint || w <= 0 || h <= 0) return;
+      ctx.fillStyle = color;
+      ctx.fillRect(x, y, w, h);
+    },
+    tip(x, y, w, h, tip) {
+      this.regions.push({ x, y, w, h, tip });
+    },
+  };
+}
+
+/**
+ * Lays out and (when `paint`) draws the payload at css width W. Returns the height used and
+ * hover regions [{x, y, w, h, tip}]. The same pass measures and paints, so the height the node
+ * grows to always matches what is drawn. opts: {reserveRight, details, zoom, unused}.
+ */
+export function render(ctx, payload, W, theme, paint, opts = {}) {
+  const { reserveRight = 0, details = false, zoom = 1, unused = [] } = opts;
+  const pen = makePen(ctx, W, theme, paint);
+  const unusedText = unused.length
+    ? `${unused.join(", ")} output${unused.length > 1 ? "s are" : " is"} not connected: the plan never applies. ` +
+      "Take the model from this node's output."
+    : null;
+
+  // Zoomed out, LiteGraph draws no text: keep the answer, one big line per model.
+  if (zoom < LOW_ZOOM) drawZoomedOut(pen, payload, zoom, unused);
+  else {
+    drawHeader(pen, payload, reserveRight);
+    if (unusedText) drawBanner(pen, unusedText, theme.warning, details);
+    if (!payload) drawNoPlan(pen);
+    else {
+      drawMessages(pen, payload, details);
+      payload.models.forEach((m, idx) => drawModel(pen, m, idx, payload.budget_bytes, details));
+      if (details && payload.models.length) drawLegend(pen, payload);
+    }
+  }
+  return { height: Math.ceil(pen.y + 2), regions: pen.regions };
+}
+
+/** One big line per model (its short answer), sized to stay readable on screen. */
+function drawZoomedOut(pen, payload, zoom, unused) {
+  const { ctx, W, theme } = pen;
+  const size = Math.min(40, Math.max(13, READABLE_PX / Math.max(zoom, 0.05)));
+  const line = (s, color) => {
+    ctx.font = pen.font(size, 700);
+    pen.text(fitText(ctx, s, W), 0, pen.y + size * 0.65, color, pen.font(size, 700));
+    pen.y += Math.round(size * 1.3);
+  };
+  if (!payload) line("no plan yet", theme.muted);
+  else {
+    if (payload.message && payload.message_level !== "notice") line(`! ${payload.message}`, COLORS.message);
+    if (unused.length) line(`⚠ ${unused.join(", ")} output unused`, theme.warning);
+    for (const m of payload.models) {
+      const a = answer(m, payload.budget_bytes);
+      line(a.short, a.fits ? theme.fits : COLORS.over);
+    }
+    if (!payload.models.length && payload.message) line(payload.message, theme.muted);
+  }
+}
+
+/** What this is and the budget (per model), room for the buttons at the right. */
+function drawHeader(pen, payload, reserveRight) {
+  const { ctx, W, theme } = pen;
+  ctx.font = pen.font(13, 700);
+  const head = "VRAM plan";
+  const headW = ctx.measureText(head).width;
+  pen.text(head, 0, pen.y + 10, theme.strong, pen.font(13, 700));
+  if (payload) {
+    const s = summarize(payload);
+    const budget = payload.budget_bytes != null ? `${gib(payload.budget_bytes)} GiB per model` : "budget: free VRAM less reserve";
+    ctx.font = pen.font(12);
+    const sub = fitText(ctx, s.models > 1 ? `${budget} · ${s.models} models` : budget, W - headW - 10 - reserveRight);
+    pen.text(sub, headW + 8, pen.y + 10, theme.muted, pen.font(12));
+    pen.tip(0, pen.y, W - reserveRight, HEADER_H,
+      "Each model connected here gets this budget on its own: they run one after another, not together.");
+  }
+  pen.y += HEADER_H + 2;
+}
+
+/** A message Python wants seen (budget too small, ...): a tinted box with a round "!" mark,
+ * drawn rather than an emoji so it looks the same without emoji fonts. */
+function drawBanner(pen, msg, color, details, tip = msg) {
+  const { ctx, W, theme } = pen;
+  const y = pen.y;
+  ctx.font = pen.font(12, 600);
+  const lines = wrapText(ctx, msg, W - 34, details ? 8 : 4);
+  const h = Math.max(26, lines.length * 15 + 10);
+  if (pen.paint) {
+    ctx.save();
+    ctx.globalAlpha = 0.22;
+    roundRect(ctx, 0, y, W, h, 4);
+    ctx.fillStyle = color;
+    ctx.fill();
+    ctx.restore();
+    roundRect(ctx, 0.5, y + 0.5, W - 1, h - 1, 4);
+    ctx.strokeStyle = color;
+    ctx.lineWidth = 1;
+    ctx.stroke();
+    ctx.beginPath();
+    ctx.arc(14, y + 13, 8, 0, 2 * Math.PI);
+    ctx.fillStyle = color;
+    ctx.fill();
+  }
+  pen.text("!", 14, y + 13.5, "#fff", pen.font(12, 800), "center");
+  lines.forEach((l, i) => pen.text(l, 28, y + 5 + 7.5 + i * 15, theme.strong, pen.font(12, 600)));
+  pen.tip(0, y, W, h, tip);
+  pen.y += h + 6;
+}
+
+function drawNoPlan(pen) {
+  pen.ctx.font = pen.font(12);
+  for (const l of wrapText(pen.ctx, "Queue the workflow to see whether each model fits and what streaming costs.", pen.W, 3)) {
+    pen.text(l, 0, pen.y + 8, pen.theme.muted, pen.font(12));
+    pen.y += 16;
+  }
+}
+
+/** Red: something went wrong. Grey: a notice (VRAMCut off, or Python says message_level "notice"). */
+function drawMessages(pen, payload, details) {
+  if (payload.message) {
+    const notice = !payload.enabled || payload.message_level === "notice";
+    const fix = notice ? null : budgetFix(payload);
+    drawBanner(pen, fix ? `${fix} ${payload.message}` : payload.message, notice ? COLORS.weightsOnly : COLORS.message,
+      details, fix ? `${fix}\n${payload.message}` : payload.message);
+  }
+  if (!payload.enabled && !payload.message) {
+    drawBanner(pen, "VRAMCut is off: the models pass through unchanged.", COLORS.weightsOnly, details);
+  }
+  if (!payload.models.length && !payload.message) {
+    pen.text("No model connected.", 0, pen.y + 8, pen.theme.muted, pen.font(12));
+    pen.y += 18;
+  }
+}
+
+/** One model: title, answer line, VRAM bar, then one warning line, or with the details every
+ * segment, the counts and every warning. */
+function drawModel(pen, m, idx, payloadBudget, details) {
+  const top = pen.y;
+  if (idx > 0) {
+    pen.rect(0, pen.y, pen.W, 1, pen.theme.border);
+    pen.y += 6;
+  }
+  drawTitle(pen, m);
+  drawAnswer(pen, m, answer(m, payloadBudget));
+  const budget = Number(m.plan.budget_bytes ?? payloadBudget ?? 0);
+  drawBar(pen, m.plan, budget);
+  if (!details) {
+    drawWarningLine(pen, m.warnings);
+    pen.y += 3;
+    return;
+  }
+  const prefix = drawSegments(pen, m.plan.segments, budget);
+  drawCounts(pen, m, prefix);
+  drawWarnings(pen, m.warnings);
+  pen.regions.push({ x: 0, y: top, w: pen.W, h: pen.y - top, tip: m.label, section: true });
+  pen.y += 4;
+}
+
+/** Title row: the model's label and its stage badge. */
+function drawTitle(pen, m) {
+  const { ctx, W, theme, y } = pen;
+  const measured = m.stage === "measured";
+  const badge = measured ? "measured" : "estimate";
+  ctx.font = pen.font(11, 700);
+  const bw = ctx.measureText(badge).width + 12;
+  if (pen.paint) {
+    roundRect(ctx, W - bw, y + 1, bw, 16, 8);
+    ctx.fillStyle = measured ? COLORS.measured : COLORS.weightsOnly;
+    ctx.fill();
+  }
+  pen.text(badge, W - bw / 2, y + 9.5, "#fff", pen.font(11, 700), "center");
+  ctx.font = pen.font(12, 600);
+  pen.text(fitText(ctx, m.label, W - bw - 8), 0, y + 9, theme.strong, pen.font(12, 600));
+  pen.tip(W - bw, y, bw, 18, measured
+    ? `Measured for input ${m.signature ?? "(this shape)"}: activations and time come from a real run.`
+    : "Estimate: weights are exact, activations and time are estimated until the first run.");
+  pen.y += 21;
+}
+
+/** The answer line: the verdict coloured, then VRAM, blocks streamed and the time it adds;
+ * on two lines when the node is narrow. */
+function drawAnswer(pen, m, a) {
+  const { ctx, W, theme } = pen;
+  const verdictFont = pen.font(13, 700);
+  const restFont = pen.font(13, 500);
+  ctx.font = verdictFont;
+  const vw = ctx.measureText(a.verdict).width;
+  ctx.font = restFont;
+  const one = ` · ${a.vram} · ${a.stream} · ${a.time}`;
+  const answerTop = pen.y;
+  const verdictColor = a.fits ? theme.fits : COLORS.over;
+  pen.text(a.verdict, 0, pen.y + 8, verdictColor, verdictFont);
+  if (vw + ctx.measureText(one).width <= W) {
+    pen.text(one, vw, pen.y + 8, theme.fg, restFont);
+    pen.y += 18;
+  } else {
+    pen.text(fitText(ctx, ` · ${a.vram}`, W - vw), vw, pen.y + 8, theme.fg, restFont);
+    pen.y += 17;
+    ctx.font = restFont;
+    pen.text(fitText(ctx, `${a.stream} · ${a.time}`, W), 0, pen.y + 8, theme.fg, restFont);
+    pen.y += 18;
+  }
+  pen.tip(0, answerTop, W, pen.y - answerTop, costTip(m));
+}
+
+/** The VRAM bar: the device at the plan's peak, against the budget line. */
+function drawBar(pen, plan, budget) {
+  const { ctx, W, theme } = pen;
+  const peak = Number(plan.peak_bytes ?? 0);
+  const res = Number(plan.resident_bytes ?? 0);
+  const win = Number(plan.window_bytes ?? 0);
+  const act = plan.activation_reserve_bytes == null ? null : Number(plan.activation_reserve_bytes);
+  const scale = Math.max(budget, peak, res + win + (act ?? 0), 1);
+  const barH = 14;
+  const bx = (b) => (b / scale) * W;
+  pen.y += 3;
+  const y = pen.y;
+  if (pen.paint) {
+    ctx.save();
+    roundRect(ctx, 0, y, Math.max(1, bx(budget)), barH, 3);
+    ctx.fillStyle = theme.track;
+    ctx.fill();
+    ctx.strokeStyle = theme.border;
+    ctx.lineWidth = 1;
+    ctx.stroke();
+    ctx.restore();
+  }
+  let x = 0;
+  for (const [bytes, color] of [[res, COLORS.resident], [win, COLORS.streamed], [act ?? 0, COLORS.activation]]) {
+    const w = bx(bytes);
+    pen.rect(x, y + 1, w, barH - 2, color);
+    x += w;
+  }
+  if (budget > 0 && peak > budget && pen.paint) {
+    ctx.strokeStyle = COLORS.over;
+    ctx.lineWidth = 2;
+    ctx.strokeRect(bx(budget), y, bx(peak) - bx(budget), barH);
+  }
+  if (budget > 0) {
+    const lx = Math.min(W - 1, Math.max(1, bx(budget)));
+    pen.rect(lx - 1, y - 3, 2, barH + 6, theme.strong);
+  }
+  pen.tip(0, y - 3, W, barH + 6,
+    `Peak ${gib(peak)} GiB of ${gib(budget)} GiB: resident ${fmtBytes(res)}, streaming window ${fmtBytes(win)}, ` +
+    `activations ${act == null ? "not measured yet" : fmtBytes(act)}. The line is the budget.`);
+  pen.y += barH + 5;
+}
+
+/** Without the details: one line, the warning or how many there are. */
+function drawWarningLine(pen, warnings) {
+  if (!warnings.length) return;
+  const { ctx, W } = pen;
+  ctx.font = pen.font(12, 600);
+  const wt = warnings.length === 1 ? `⚠ ${warnings[0]}` : `⚠ ${warnings.length} warnings: open details`;
+  pen.text(fitText(ctx, wt, W), 0, pen.y + 8, pen.theme.warning, pen.font(12, 600));
+  pen.tip(0, pen.y, W, 16, warnings.join("\n"));
+  pen.y += 17;
+}
+
+/**
+ * Details: the model in execution order, one bar per segment as wide as its weights, its
+ * activations on top on the budget's scale (so 46 MiB looks small next to a 0.3 GiB budget).
+ * Returns the name prefix the labels dropped.
+ */
+function drawSegments(pen, segs, budget) {
+  const { ctx, W, theme } = pen;
+  const actH = segs.some((s) => Number(s.activation_bytes) > 0) ? 12 : 0;
+  const wH = 20;
+  const total = segs.reduce((n, s) => n + Math.max(0, Number(s.weight_bytes) || 0), 0);
+  const gap = segs.length && W / segs.length >= 4 ? 1 : 0;
+  // widths follow the bytes; tiny segments still get a sliver (at most 15% of the width in
+  // all goes to these minimums, so the proportions stay true)
+  const minW = Math.min(2, (0.15 * W) / Math.max(1, segs.length));
+  const free = Math.max(0, W - minW * segs.length);
+  const names = segs.map((s) => shortSegmentName(s.name));
+  const prefix = sharedPrefix(names);
+  let sx = 0;
+  pen.y += 2;
+  const y = pen.y;
+  segs.forEach((s, i) => {
+    const wb = Math.max(0, Number(s.weight_bytes) || 0);
+    const sw = minW + (total > 0 ? (wb / total) * free : free / segs.length);
+    const color = s.resident ? COLORS.resident : s.idle ? COLORS.idle : COLORS.streamed;
+    const drawW = sw - (sw > 2 ? gap : 0);
+    pen.rect(sx, y + actH, drawW, wH, color);
+    const av = Number(s.activation_bytes) || 0;
+    if (actH && av > 0) {
+      const h = Math.min(actH - 1, Math.max(1, (av / Math.max(budget, av, 1)) * (actH - 1)));
+      pen.rect(sx, y + actH - 1 - h, drawW, h, COLORS.activation);
+    }
+    if (pen.paint && drawW > 26) {
+      ctx.font = pen.font(11, 600);
+      const label = names[i].slice(prefix.length);
+      const fitted = fitText(ctx, label, drawW - 6);
+      if (fitted && fitted !== "…") pen.text(fitted, sx + 3, y + actH + wH / 2, "#fff", pen.font(11, 600));
+    }
+    const nUnits = asArray(s.units).length;
+    const where = s.resident ? "resident" : s.idle ? "idle (not run)" : "streamed each step";
+    pen.tip(sx, y, sw, actH + wH,
+      `${names[i]} · ${where}\n${fmtBytes(wb)} weights · ${s.activation_bytes == null ? "activations not measured" : `${fmtBytes(av)} activations`}` +
+      (nUnits > 1 ? ` · ${nUnits} blocks` : ""));
+    sx += sw;
+  });
+  if (!segs.length) pen.text("no segments", 0, y + actH + wH / 2, theme.muted, pen.font(12));
+  pen.y += actH + wH + 4;
+  return prefix;
+}
+
+/** Counts, the shared prefix dropped from the labels, and the input signature. */
+function drawCounts(pen, m, prefix) {
+  const segs = m.plan.segments;
+  const nRes = segs.filter((s) => s.resident).length;
+  const nStr = segs.filter(isStreamed).length;
+  const nIdle = segs.filter(isIdle).length;
+  const nCopies = Number(m.plan.transfers_per_forward);
+  let counts = `${prefix ? `${prefix}* · ` : ""}${nRes} resident · ${nStr} streamed` + (nIdle ? ` · ${nIdle} idle` : "") +
+    ` segments` + (Number.isFinite(nCopies) && nCopies > 0 ? ` · ${nCopies} transfer${nCopies === 1 ? "" : "s"} per forward` : "");
+  if (m.signature) counts += ` · ${m.signature}`;
+  pen.ctx.font = pen.font(12);
+  pen.text(fitText(pen.ctx, counts, pen.W), 0, pen.y + 8, pen.theme.muted, pen.font(12));
+  pen.y += 17;
+}
+
+/** With the details: every warning, wrapped. */
+function drawWarnings(pen, warnings) {
+  pen.ctx.font = pen.font(12, 600);
+  for (const w of warnings) {
+    const lines = wrapText(pen.ctx, `⚠ ${w}`, pen.W, 3);
+    const h0 = pen.y;
+    for (const l of lines) {
+      pen.text(l, 0, pen.y + 8, pen.theme.warning, pen.font(12, 600));
+      pen.y += 15;
+    }
+    pen.tip(0, h0, pen.W, pen.y - h0, w);
+  }
+}
+
+/** The legend, with the details. */
+function drawLegend(pen, payload) {
+  const { ctx, theme, y } = pen;
+  let lx = 0;
+  const items = [["resident", COLORS.resident], ["streamed", COLORS.streamed], ["activations", COLORS.activation]];
+  if (summarize(payload).idle) items.push(["idle", COLORS.idle]);
+  ctx.font = pen.font(12);
+  for (const [name, color] of items) {
+    pen.rect(lx, y + 2, 10, 10, color);
+    pen.text(name, lx + 13, y + 7, theme.muted, pen.font(12));
+    lx += 13 + ctx.measureText(name).width + 10;
+  }
+  pen.rect(lx + 3, y, 2, 14, theme.strong);
+  pen.text("budget", lx + 9, y + 7, theme.muted, pen.font(12));
+  pen.y += 17;
+}

@@ -1,0 +1,137 @@
+// Words and numbers: how the plan's figures read on the node, in its tooltips and its table.
+//
+// Owns the byte / GiB / time formats, the answer line ("fits · 0.21 / 0.30 GiB (70 %) · 5 of 7
+// blocks streamed · +12 ms / step"), the cost tooltip, the text table and the fix for a budget
+// that is too small. Rule: every figure shown is one Python sent (plan.cost from
+// vramcut_core/report.py cost_to_json), only formatted here; pure functions, nothing done at
+// import (ComfyUI also loads this file on its own as an extension script).
+
+import { asArray, isStreamed, unitCount } from "./payload.js";
+
+const KIB = 1024;
+const MIB = 1024 ** 2;
+const GIB = 1024 ** 3;
+
+export function fmtBytes(n) {
+  if (n === null || n === undefined || !Number.isFinite(n)) return "—";
+  const a = Math.abs(n);
+  if (a >= GIB) return `${(n / GIB).toFixed(2)} GiB`;
+  if (a >= MIB) return `${(n / MIB).toFixed(a >= 100 * MIB ? 0 : 1)} MiB`;
+  if (a >= KIB) return `${(n / KIB).toFixed(1)} KiB`;
+  return `${n} B`;
+}
+
+/** GiB as the max_vram_gb widget speaks it: 2 decimals, 3 below 0.1 GiB. */
+export function gib(n, digits) {
+  if (n === null || n === undefined || !Number.isFinite(Number(n))) return "—";
+  const g = Number(n) / GIB;
+  return g.toFixed(digits ?? (Math.abs(g) < 0.1 ? 3 : 2));
+}
+
+/** The smallest max_vram_gb (rounded up to the widget's 0.01 step) that holds `bytes`. */
+function gibCeil(bytes) {
+  return (Math.ceil((Number(bytes) / GIB) * 100 - 1e-9) / 100).toFixed(2);
+}
+
+function pct(a, b) {
+  return b > 0 ? `${Math.round((100 * a) / b)} %` : "—";
+}
+
+function fmtSeconds(s) {
+  if (s === null || s === undefined || !Number.isFinite(Number(s))) return "?";
+  s = Number(s);
+  if (s >= 10) return `${s.toFixed(0)} s`;
+  if (s >= 0.095) return `${s.toFixed(2)} s`;
+  if (s >= 0.0005) return `${(s * 1000).toFixed(s >= 0.01 ? 0 : 1)} ms`;
+  return "0 s";
+}
+
+/** "double_blocks.0 … double_blocks.15" -> "double_blocks.0…15" */
+export function shortSegmentName(name) {
+  const parts = String(name).split(" … ");
+  if (parts.length !== 2) return String(name);
+  const [a, b] = parts;
+  const cut = a.lastIndexOf(".") + 1;
+  if (cut > 0 && b.startsWith(a.slice(0, cut))) return `${a}…${b.slice(cut)}`;
+  return `${a}…${b}`;
+}
+
+/** The dotted prefix every segment name of a model shares ("joint_blocks."), or "". */
+export function sharedPrefix(names) {
+  if (names.length < 2) return "";
+  let p = names[0];
+  for (const n of names) while (p && !n.startsWith(p)) p = p.slice(0, -1);
+  const cut = p.lastIndexOf(".") + 1;
+  return cut > 0 ? p.slice(0, cut) : "";
+}
+
+/**
+ * The answer to "will it fit, and what does it cost?" for one model, from the figures Python
+ * sent (plan.cost; older payloads without it get the counts from the segments, and no time).
+ * Returns the parts, so the line can be drawn with the verdict coloured, and short forms.
+ */
+export function answer(m, payloadBudget) {
+  const plan = m.plan;
+  const c = plan.cost ?? {};
+  const budget = Number(plan.budget_bytes ?? payloadBudget ?? 0);
+  const peak = Number(plan.peak_bytes ?? 0);
+  const fits = c.fits ?? (budget > 0 && peak <= budget);
+  const lower = c.peak_is_lower_bound ?? plan.activation_reserve_bytes == null;
+  const blocks = Number.isFinite(c.blocks) ? c.blocks : unitCount(plan);
+  const streamedBlocks = Number.isFinite(c.blocks_streamed) ? c.blocks_streamed
+    : plan.segments.filter(isStreamed).reduce((n, s) => n + asArray(s.units).length, 0);
+  const verdict = fits ? "fits" : "over budget";
+  const vram = `${lower ? "≥" : ""}${gib(peak, budget < 0.1 * GIB ? 3 : 2)} / ${gib(budget)} GiB (${pct(peak, budget)})`;
+  const stream = streamedBlocks > 0 ? `${streamedBlocks} of ${blocks} blocks streamed` : `all ${blocks} blocks resident`;
+  const source = c.added_source ?? null;
+  // a diffusion model runs one forward per sampling step; encoders and VAEs one per call
+  const per = m.kind === "MODEL" ? "step" : "call";
+  let time;
+  if (streamedBlocks === 0 && (source === null || source === "estimate")) time = `+0 s / ${per}`;
+  else if (source === "measured") time = `+${fmtSeconds(c.added_s_per_forward)} / ${per}`;
+  else if (source === "estimate") time = `+${fmtSeconds(c.added_s_per_forward)} / ${per} (estimate)`;
+  else time = "time not measured";
+  const short = `${verdict} ${pct(peak, budget)} · ${source ? `+${fmtSeconds(c.added_s_per_forward)}/${per}` : stream}`;
+  return { fits, verdict, vram, stream, time, source, short, line: `${verdict} · ${vram} · ${stream} · ${time}` };
+}
+
+export function costTip(m) {
+  const c = m.plan.cost;
+  if (!c) return "The added time is not known: this plan came from an older version.";
+  const bw = c.bandwidth_bytes_per_s ? `${(c.bandwidth_bytes_per_s / GIB).toFixed(1)} GiB/s` : "not measured";
+  const where = c.bandwidth_device === "cpu" ? "a memory copy on this CPU" : `host to ${c.bandwidth_device ?? "device"}`;
+  const lines = [];
+  if (c.added_source === "measured") {
+    lines.push(`Measured over ${c.measured_forwards} forward${c.measured_forwards === 1 ? "" : "s"}: ` +
+      `compute waited ${fmtSeconds(c.measured_s_per_forward)} per forward for copies.`);
+    lines.push(`copies ${fmtSeconds(c.measured_copy_s_per_forward)} · compute ${fmtSeconds(c.measured_compute_s_per_forward)} per forward`);
+  } else {
+    lines.push(`Estimate until a run measures it: ${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward ÷ ${bw}.`);
+  }
+  if (Number.isFinite(c.transfers_per_forward) && c.streamed_bytes_per_forward > 0) {
+    const t = c.transfers_per_forward;
+    lines.push(`${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward in ${t} transfer${t === 1 ? "" : "s"} ` +
+      `(adjacent streamed blocks are copied together).`);
+  }
+  lines.push(`Bandwidth ${bw} (${where}, measured once on this machine).`);
+  return lines.join("\n");
+}
+
+export function allText(payload) {
+  if (!payload) return "No plan yet: queue the workflow.";
+  const parts = [];
+  if (payload.message) parts.push(`!! ${payload.message}`);
+  for (const m of payload.models) {
+    let t = `${m.label}\n${answer(m, payload.budget_bytes).line}\n\n${m.text || ""}`;
+    if (m.signature) t += `\ninput: ${m.signature}`;
+    parts.push(t);
+  }
+  return parts.join("\n\n") || "No model connected.";
+}
+
+/** The fix for a budget that is too small, from what the error carried. */
+export function budgetFix(payload) {
+  if (payload.min_budget_bytes) return `Set max_vram_gb to at least ${gibCeil(payload.min_budget_bytes)} (the smallest budget that works).`;
+  if (payload.need_bytes) return `Set max_vram_gb above ${gibCeil(payload.need_bytes)}: one block alone needs ${gib(payload.need_bytes)} GiB.`;
+  return null;
+}

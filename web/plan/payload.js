@@ -1,0 +1,92 @@
+// The plan as Python sent it: one reading of the payload that every other room draws from.
+//
+// PAYLOAD = {budget_bytes, enabled, message, message_level?, min_budget_bytes?, need_bytes?,
+//            models: [{kind, label, stage, signature, warnings, text, plan: {budget_bytes,
+//            peak_bytes, streamed_bytes_per_forward, transfers_per_forward, resident_bytes,
+//            window_bytes, activation_reserve_bytes, measured, units, segments, stats?, cost?}}]}
+// Rule: pure functions of the payload (no DOM, no ComfyUI, nothing done at import); they read
+// Python's figures and never recompute the plan. ComfyUI also loads this file on its own as an
+// extension script, which is harmless only while that stays so.
+
+export function asArray(v) {
+  return Array.isArray(v) ? v : [];
+}
+
+/** Accept what Python sent; tolerate missing fields (never throw while drawing). */
+export function normalizePayload(p) {
+  if (!p || typeof p !== "object") return null;
+  const models = asArray(p.models)
+    .filter((m) => m && typeof m === "object")
+    .map((m) => {
+      const plan = m.plan && typeof m.plan === "object" ? m.plan : {};
+      return {
+        kind: String(m.kind ?? "MODEL"),
+        label: String(m.label ?? m.kind ?? "model"),
+        stage: m.stage === "measured" ? "measured" : "weights",
+        signature: m.signature ?? null,
+        warnings: [...new Set([...asArray(m.warnings), ...asArray(plan.warnings)].map(String))],
+        text: String(m.text ?? ""),
+        plan: {
+          ...plan,
+          segments: asArray(plan.segments).filter((s) => s && typeof s === "object"),
+          units: asArray(plan.units),
+          cost: plan.cost && typeof plan.cost === "object" ? plan.cost : null,
+        },
+      };
+    });
+  const positive = (v) => (Number.isFinite(Number(v)) && Number(v) > 0 ? Number(v) : null);
+  return {
+    budget_bytes: p.budget_bytes ?? null,
+    enabled: p.enabled !== false,
+    message: p.message ? String(p.message) : null,
+    message_level: p.message_level === "notice" ? "notice" : "error",
+    min_budget_bytes: positive(p.min_budget_bytes),
+    need_bytes: positive(p.need_bytes),
+    models,
+  };
+}
+
+/** The newest payload of a node's output (a list, newest last) or the payload itself. */
+export function lastPayload(list) {
+  if (Array.isArray(list)) return list.length ? list[list.length - 1] : null;
+  return list && typeof list === "object" ? list : null;
+}
+
+// A segment that is not resident streams every step, unless the measured forward never ran it
+// ("idle", e.g. the VAE encoder while decoding): the Python side marks those with idle: true.
+export function isStreamed(seg) {
+  return !seg.resident && !seg.idle;
+}
+
+export function isIdle(seg) {
+  return !seg.resident && !!seg.idle;
+}
+
+/** The blocks of a plan. One saved by an older version (the legacy node property) has its unit
+ * list dropped, but each of its segments still names its units. */
+export function unitCount(plan) {
+  if (plan.units?.length) return plan.units.length;
+  return plan.segments.reduce((n, s) => n + asArray(s.units).length, 0);
+}
+
+export function summarize(payload) {
+  let segments = 0;
+  let resident = 0;
+  let streamed = 0;
+  let idle = 0;
+  const stages = [];
+  for (const m of payload?.models ?? []) {
+    segments += m.plan.segments.length;
+    resident += m.plan.segments.filter((s) => s.resident).length;
+    streamed += m.plan.segments.filter(isStreamed).length;
+    idle += m.plan.segments.filter(isIdle).length;
+    stages.push(m.stage);
+  }
+  let stage = "none";
+  if (stages.length) {
+    if (stages.every((s) => s === "measured")) stage = "measured";
+    else if (stages.every((s) => s === "weights")) stage = "weights";
+    else stage = "mixed";
+  }
+  return { segments, resident, streamed, idle, stage, stages, models: stages.length };
+}
