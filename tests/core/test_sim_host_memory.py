@@ -8,7 +8,7 @@ import torch
 from test_executor import ids
 from test_sim_cuda import budget_for, cuda_engine, sim  # noqa: F401
 from toys import TransformerStack, seeded
-from vramcut_core import executor as ex
+from vramcut_core.runtime import host_memory as ex
 
 
 def model_and_ref(sim):
