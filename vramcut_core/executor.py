@@ -190,7 +190,7 @@ class SegmentedExecutor:
             if ms.meter is not None:
                 ms.meter.start()
             if self.cuda:
-                capped = ms.cap_cuda(torch.cuda.memory_allocated(self.device) - self.device_bytes - ms.input_bytes)
+                capped = ms.cap_cuda(self.device_bytes + ms.input_bytes)
             if not resumed:
                 self.hooks.install(plan, ms.meas is not None, self.memory.resident_names)
             global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())

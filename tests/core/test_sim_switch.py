@@ -81,3 +81,34 @@ def test_joint_measurements_take_the_most_of_each_unit_and_refuse_other_units():
     assert (j["x"].entry_bytes, j["x"].peak_bytes, j["y"].peak_bytes, j["y"].calls) == (12, 50, 90, 2)
     assert joint_measurements([a, {"y": b["y"], "x": b["x"]}]) is None
     assert joint_measurements([a, {"x": b["x"]}]) is None
+
+
+def switch_with_a_prefetch_in_flight(sim):
+    """Shape a twice (the second forward ends by prefetching its first group), then shape b,
+    whose measuring plan sizes its one slot differently: the slots are freed while that copy
+    may still write one."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(FluxLike(d=48))
+        a, b = shapes("reshaped")
+        refs = (model(*a), model(*b))
+    with torch.no_grad():
+        eng = cuda_engine(model, budget_for(model, *a))
+        with eng.session():
+            outs = [eng.run(model, *a), eng.run(model, *a)]
+            assert eng.executor.memory.slots and len(eng.executor.memory.slots) == 2
+            outs.append(eng.run(model, *b))
+    return outs, refs
+
+
+def test_freeing_a_slot_a_prefetch_still_writes(sim):
+    outs, refs = switch_with_a_prefetch_in_flight(sim)
+    assert torch.equal(outs[0], refs[0]) and torch.equal(outs[1], refs[0]) and torch.equal(outs[2], refs[1])
+
+
+def test_sim_catches_freeing_a_slot_a_prefetch_still_writes(sim, monkeypatch):
+    from vramcut_core.runtime import transfers
+    monkeypatch.setattr(transfers.Transfers, "order_after_copies", lambda self: None)
+    switch_with_a_prefetch_in_flight(sim)
+    found = [h for h in sim.hazards if "freed and reused" in h or "write racing" in h or "may still read" in h]
+    sim.hazards.clear()
+    assert found, "freeing a slot with its prefetch in flight must be a hazard"

@@ -111,18 +111,19 @@ class Measuring:
         ev.record(torch.cuda.current_stream(self.device))  # the executor's device, not the current one
         return ev
 
-    def cap_cuda(self, others: int) -> float | None:
-        """A measuring forward on CUDA: cap this process's memory on the device at ``others``
-        (device bytes that are not the forward's: other models, the executor's buffers are
-        counted in the limit) plus the limit, so an allocation that would pass the budget (a
-        temporary made and freed inside one module, which no hook sees) fails where it is made
-        and the engine cuts finer. Returns the fraction to restore (None: nothing capped)."""
+    def cap_cuda(self, counted: int) -> float | None:
+        """A measuring forward on CUDA: cap this process's reserved memory on the device at what
+        it reserves now, less ``counted`` (bytes the limit counts: the executor's buffers, the
+        inputs), plus the limit, so an allocation that would pass the budget (a temporary made
+        and freed inside one module, which no hook sees) fails where it is made and the engine
+        cuts finer. Returns the fraction to restore (None: nothing capped)."""
         if not self.cuda or self.limit is None:
             return None
         get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         prev = get(self.device) if get is not None else 1.0
         # hazard: cached blocks would serve a temporary past the budget without touching the cap
         self.memory.empty_cache()
+        others = torch.cuda.memory_reserved(self.device) - counted
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, (others + self.limit) / total), self.device)
         return prev
