@@ -796,8 +796,10 @@ def simulated_cuda(monkeypatch, devices: int = 1):
                 rec.recorded.add(stream.id)
 
     def is_pinned(self, *a, **k):
-        return self.untyped_storage().data_ptr() in sim.registered or bool(
-            (r := sim.recs.get(self.untyped_storage().data_ptr())) is not None and r.torch_pinned)
+        def one(t):
+            ptr = t.untyped_storage().data_ptr()
+            return ptr in sim.registered or bool((r := sim.recs.get(ptr)) is not None and r.torch_pinned)
+        return all(one(t) for t in _storages_of(self))   # a wrapper: its inner tensors (its dispatch)
 
     def pin_memory(self, *a, **k):
         if sim.pin_memory_fails:
