@@ -29,7 +29,9 @@ def test_staging_buffers_are_counted_as_page_locked(sim, monkeypatch):
         for m in list(ex._SHARED_MASTERS.values()):
             m.release()
         ex._SHARED_MASTERS.clear()
-        monkeypatch.setattr(ex.PINNED, "bytes", 0)
+        monkeypatch.setattr(ex.PINNED, "bytes", 0)      # the ledger is the process's: start it here
+        monkeypatch.setattr(ex.PINNED, "staging", 0)
+        monkeypatch.setattr(ex.PINNED, "_in_flight", [])
         sim.register_error = lambda ptr, size: 2
         sim.pinned_peak = 0
         eng = cuda_engine(model, budget)
