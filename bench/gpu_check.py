@@ -1,4 +1,4 @@
-"""One-shot check of the CUDA path on a real GPU (under 5 minutes on one GPU); prints JSON.
+"""One-shot check of the CUDA path on a real GPU (under 8 minutes on one GPU); prints JSON.
 
 What the simulated accelerator in the tests cannot tell:
 
@@ -14,6 +14,18 @@ What the simulated accelerator in the tests cannot tell:
 * ``offload``: ``bench_offload.py``'s comparison (plain, VRAMCut at three budgets and without
   prefetch/residency, ComfyUI's low-VRAM partial load and a block swap at the same budgets, the
   host's dynamic VRAM when ``COMFYUI_PATH`` names a host that has it).
+
+* ``checks`` (first, a few seconds; one line each on stderr as it finishes):
+  ``kitchen``: comfy-kitchen fp8 and nvfp4 weights streamed with prefetch, forwards 1..5
+  bit-equal to the unpatched model, every weight part inside the executor's buffers;
+  ``replan``: a budget a block's intra-module temporary overshoots while measuring: a finer cut,
+  ``max_memory_reserved`` within the budget on every forward;
+  ``teardown``: weights held by a session, the host's release and move to the offload device
+  while held: nothing left on the device, no parameter copied back, values unchanged;
+  ``alternating``: two cached shapes in turn, host syncs (stream, event, device) and
+  ``empty_cache`` calls counted per steady forward;
+  ``second_gpu``: a model on ``cuda:1`` with ``cuda:0`` current (where two GPUs exist):
+  bit-equal, nothing allocated on ``cuda:0``.
 
 ``--dry`` runs on CPU: imports everything and prints the same keys, every figure null or
 "not measured". Nothing here is a figure until it has run on a GPU.
@@ -31,7 +43,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE, os.path.join(ROOT, "tests", "core")):
+for p in (ROOT, HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "core")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -45,6 +57,7 @@ NOT = "not measured"
 GB = 1 << 30
 ALLOCATORS = {"native": "", "cudaMallocAsync": "backend:cudaMallocAsync"}
 MODELS = ("transformer", "unet", "subclass", "flux_shaped")
+CHECKS = ("kitchen", "replan", "teardown", "alternating", "second_gpu")
 
 
 def _rss() -> int | None:
@@ -232,6 +245,183 @@ def offload(quick: bool) -> dict:
         return {"rows": None, "error": f"{type(e).__name__}: {e}"[:1000]}
 
 
+# -- round-2 checks: each returns {"ok": bool or None (not applicable), ...figures} ---------------
+
+def _say(name: str, res: dict) -> dict:
+    figures = ", ".join(f"{k}={v}" for k, v in res.items() if k != "ok")
+    print(f"check {name}: {'ok' if res.get('ok') else ('n/a' if res.get('ok') is None else 'FAIL')}"
+          + (f" ({figures})" if figures else ""), file=sys.stderr, flush=True)
+    return res
+
+
+def _budget_to_stream(model, x, dev, share=0.5) -> int:
+    """A budget that streams about half the weights (activations measured first)."""
+    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device=str(dev)))
+    probe.run(model, *x)
+    probe.release()
+    p = probe.last_plan
+    biggest = max(u.weight_bytes for u in p.units)
+    return max(int(weight_bytes(model) * share), 3 * biggest) + p.activation_reserve_bytes
+
+
+def check_kitchen(dev) -> dict:
+    try:
+        import kitchen_toys as kt
+    except ImportError as e:
+        return {"ok": None, "why": f"comfy_kitchen not importable: {e}"}
+    res = {"ok": True}
+    for layout in ("fp8", "nvfp4"):
+        model = kt.KitchenStack(layout, d=1024, depth=8).to(dev)
+        x = tuple(a.to(dev) for a in kt.inputs(batch=2, tokens=256))
+        ref = model(*x)
+        model.to("cpu")
+        eng = Engine(model, EngineConfig(budget_bytes=_budget_to_stream(model, x, dev), device=str(dev)))
+        outside, exact = [], []
+
+        def look(mod, _a, _o):
+            parts = kt.inner(mod.weight)
+            if parts[0].is_cuda:
+                home = parts[0].untyped_storage().data_ptr()
+                outside.extend(p.untyped_storage().nbytes() for p in parts[1:]
+                               if p.untyped_storage().data_ptr() != home)
+
+        hs = [m.register_forward_hook(look) for m in model.modules() if isinstance(m, kt.KitchenLinear)]
+        try:
+            with eng.session():
+                for _ in range(5):
+                    exact.append(torch.equal(eng.run(model, *x), ref))
+        finally:
+            for h in hs:
+                h.remove()
+        ok = all(exact) and not outside and eng.last_plan.slots == 2
+        res[layout] = {"bit_equal_per_forward": exact, "bytes_outside_buffers": sum(outside)}
+        res["ok"] = res["ok"] and ok
+    return res
+
+
+def check_replan(dev) -> dict:
+    model = toys.seeded(toys.TempStack(d=1024, depth=8, k=64)).to(dev)
+    x = (torch.randn(4, 256, 16, generator=torch.Generator().manual_seed(2)).to(dev),)
+    ref = model(*x)
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device=str(dev)))
+    probe.run(model, *x)
+    probe.release()
+    block = max(u.weight_bytes for u in probe.last_plan.units)
+    budget = probe.last_plan.activation_reserve_bytes + (block + 2 * block // 3) // 2
+    eng = Engine(model, EngineConfig(budget_bytes=budget, device=str(dev)))
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(dev)
+    peaks, exact = [], []
+    with eng.session():
+        for _ in range(4):
+            torch.cuda.reset_peak_memory_stats(dev)
+            exact.append(torch.equal(eng.run(model, *x), ref))
+            peaks.append(torch.cuda.max_memory_reserved(dev) - base)
+    return {"ok": all(exact) and bool(eng.last_plan.split) and max(peaks) <= budget,
+            "budget_bytes": budget, "reserved_peaks": peaks, "split": list(eng.last_plan.split)[:4],
+            "bit_equal": all(exact)}
+
+
+def check_teardown(dev) -> dict:
+    model = toys.seeded(toys.TransformerStack(d=512, depth=8))
+    x = (torch.randint(0, 50, (2, 64)).to(dev),)
+    ref = model.to(dev)(*x)
+    model.to("cpu")
+    masters = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    eng = Engine(model, EngineConfig(budget_bytes=4 * weight_bytes(model), device=str(dev)))
+    with eng.session():
+        outs = [eng.run(model, *x) for _ in range(2)]
+        held = eng.executor.holds_weights
+        on_dev = sum(p.is_cuda for p in model.parameters())
+        # what the adapter does on the host's detach: give the device copies back first ...
+        eng.release()
+        left = sum(p.is_cuda for p in model.parameters())
+        model.to("cpu")        # ... then the host's move copies nothing back
+        moved = [n for n, p in model.named_parameters() if p.data_ptr() != masters[n][0]]
+    same = all(torch.equal(p.detach(), masters[n][1]) for n, p in model.named_parameters())
+    return {"ok": held and on_dev > 0 and left == 0 and not moved and same and all(torch.equal(o, ref) for o in outs),
+            "held_params_on_device": on_dev, "left_on_device_after_release": left, "copied_back": len(moved)}
+
+
+class _SyncCounter:
+    """Counts the host-blocking CUDA calls Python code makes (and ``empty_cache``)."""
+
+    NAMES = ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+             (torch.cuda, "synchronize"), (torch.cuda, "empty_cache"))
+
+    def __enter__(self):
+        self.counts = {"syncs": 0, "empty_cache": 0}
+        self.saved = []
+        for owner, name in self.NAMES:
+            orig = getattr(owner, name)
+            key = "empty_cache" if name == "empty_cache" else "syncs"
+
+            def wrapped(*a, _orig=orig, _key=key, **k):
+                self.counts[_key] += 1
+                return _orig(*a, **k)
+
+            self.saved.append((owner, name, orig))
+            setattr(owner, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, orig in self.saved:
+            setattr(owner, name, orig)
+
+
+def check_alternating(dev, steps: int = 10) -> dict:
+    model = toys.seeded(toys.FluxLike(d=512, n_double=4, n_single=8))
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(2, 256, 16, generator=g).to(dev), torch.rand(2, generator=g).to(dev))
+    b = (torch.randn(2, 1024, 16, generator=g).to(dev), torch.rand(2, generator=g).to(dev))
+    refs = [model.to(dev)(*a), model(*b)]
+    model.to("cpu")
+    eng = Engine(model, EngineConfig(budget_bytes=_budget_to_stream(model, b, dev), device=str(dev)))
+    exact = []
+    with eng.session():
+        for i in range(4):
+            eng.run(model, *(a, b)[i % 2])
+        with _SyncCounter() as c:
+            for i in range(steps):
+                exact.append(torch.equal(eng.run(model, *(a, b)[i % 2]), refs[i % 2]))
+    per = {k: v / steps for k, v in c.counts.items()}
+    return {"ok": all(exact) and per["syncs"] == 0 and per["empty_cache"] == 0,
+            "host_syncs_per_forward": per["syncs"], "empty_cache_per_forward": per["empty_cache"],
+            "bit_equal": all(exact)}
+
+
+def check_second_gpu() -> dict:
+    if torch.cuda.device_count() < 2:
+        return {"ok": None, "why": "one GPU"}
+    dev = torch.device("cuda:1")
+    torch.cuda.set_device(0)
+    model = toys.seeded(toys.TransformerStack(d=512, depth=8))
+    x = (torch.randint(0, 50, (2, 64)).to(dev),)
+    ref = model.to(dev)(*x)
+    model.to("cpu")
+    before = torch.cuda.memory_allocated(0)
+    eng = Engine(model, EngineConfig(budget_bytes=_budget_to_stream(model, x, dev), device=str(dev)))
+    with eng.session():
+        outs = [eng.run(model, *x) for _ in range(4)]
+    grew = torch.cuda.memory_allocated(0) - before
+    return {"ok": all(torch.equal(o, ref) for o in outs) and grew == 0, "cuda0_bytes_allocated": grew}
+
+
+def round2(dev) -> dict:
+    out = {}
+    for name, fn in (("kitchen", lambda: check_kitchen(dev)), ("replan", lambda: check_replan(dev)),
+                     ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
+                     ("second_gpu", check_second_gpu)):
+        try:
+            with torch.no_grad():
+                out[name] = _say(name, fn())
+        except Exception as e:
+            out[name] = _say(name, {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]})
+    return out
+
+
 # -- the report -------------------------------------------------------------------------------
 
 def report(dry: bool, quick: bool) -> dict:
@@ -249,10 +439,12 @@ def report(dry: bool, quick: bool) -> dict:
             "forwards": {n: dict(forward) for n in names},
             "sessions": {"sessions": NOT, "page_locked_after_drop_bytes": NOT},
             "offload": {"rows": NOT},
+            "checks": {c: {"ok": NOT} for c in CHECKS},
         }
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     res = {"dry": False, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    res["checks"] = round2(dev)
     res["register"] = check_register(dev)
     bw = pinned_bandwidth(dev)
     res["bandwidth"] = {"pinned_h2d_gbps": bw}

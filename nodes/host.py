@@ -106,6 +106,9 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         return out
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
+        st = state_of(self)
+        if unpatch_weights and st is not None and not st.before_teardown():
+            device_to = None  # a forward runs on the engines' device copies: move nothing under it
         try:
             return super().unpatch_model(device_to, unpatch_weights=unpatch_weights)
         finally:
@@ -113,6 +116,9 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
                 _give_back_to_dynamic(self.model)
 
     def detach(self, unpatch_all=True):
+        st = state_of(self)
+        if st is not None:
+            st.before_teardown()  # (the host's unpatch_model inside does it too; it is idempotent)
         try:
             return super().detach(unpatch_all=unpatch_all)
         finally:

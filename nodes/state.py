@@ -143,6 +143,7 @@ class PatchState:
         self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
+        self.teardown_pending = False  # the host tore the model down during a forward: release after it
 
     def on_model_patcher_clone(self):
         return self
@@ -183,6 +184,18 @@ class PatchState:
             if not e.executor.running:
                 e.keep_buffers(False)
                 e.release()
+
+    def before_teardown(self) -> bool:
+        """The host is about to detach or unpatch the model (and move it to its offload device):
+        the engines give their device copies back first, nothing copied back (the host masters
+        are the truth), so the host's move finds every weight on the host. While a forward runs
+        on the weights nothing is taken from under it: False, and the engines let go when the
+        forward ends."""
+        if self.running:
+            self.teardown_pending = True
+            return False
+        self.release()
+        return True
 
     def outside(self, path: str) -> None:
         """Say on the node (and once in the log) that a call path runs outside the budget."""
@@ -239,6 +252,9 @@ class PatchState:
             raise
         finally:
             engine.executor.on_loaded = None
+            if self.teardown_pending and not self.running:
+                self.teardown_pending = False
+                self.release()
 
 
 # The tile sizes ComfyUI's VAE falls back to after an out-of-memory error (latent units for a

@@ -17,7 +17,17 @@ What it checks, with the happens-before order of the streams (vector clocks, lik
 * a device block freed while another stream may still use it (unless ``record_stream`` told the
   allocator);
 * a host buffer unregistered while a copy may read it; a registration left on a freed buffer;
-* a failed runtime call's pending error: the next device operator raises, as CUDA's does.
+* a failed runtime call's pending error: the next device operator raises, as CUDA's does;
+* wrapper tensor subclasses (comfy-kitchen's ``QuantizedTensor``): their own dispatch runs with
+  the simulator on, so what it does to its inner tensors (a ``detach`` that clones the scales,
+  a dequantize) is ordered, checked and allocated like any other operator;
+* several devices (``simulated_cuda(monkeypatch, devices=2)``): a compute stream and an allocator
+  per device; an operator runs on the stream of the device its tensors are on; every call that
+  names no device (``current_stream()``, ``Event.record()``, ``empty_cache()``) is recorded in
+  ``sim.device_calls`` with the device it resolved to, the current one.
+
+Host-blocking waits are counted (``sim.host_syncs``), and so are ``empty_cache`` calls
+(``sim.empty_cache_calls``), a device-wide synchronisation under ``cudaMallocAsync``.
 
 Hazards are collected in ``sim.hazards`` (finalizers cannot raise); the fixture fails the test
 on any. Memory statistics come from a counting allocator with per-stream pools, block splitting
@@ -80,6 +90,9 @@ class SimAllocator:
         self.at_peak = ""
         self.at_peak_blocks = 0
         self.on_reuse = on_reuse
+        self.high_allocated = 0          # like max_allocated, but never reset by the code under test
+        self.cap: int | None = None      # set_per_process_memory_fraction x total memory
+        self.ooms = 0
 
     @property
     def segments(self):
@@ -97,6 +110,16 @@ class SimAllocator:
         if best is None:
             last = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
             grow = n - (last.size if last else 0)
+            if self.cap is not None and self.reserved + grow > self.cap:
+                # as the caching allocator does: give back cached blocks, then fail
+                self.empty_cache()
+                last = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
+                grow = n - (last.size if last else 0)
+                if self.reserved + grow > self.cap:
+                    self.ooms += 1
+                    raise torch.OutOfMemoryError(
+                        f"CUDA out of memory (simulated). Tried to allocate {n} B; {self.reserved} B reserved "
+                        f"of the {self.cap} B this process is allowed (set_per_process_memory_fraction)")
             if last is None:
                 last = _Block(seg, seg.size, 0, True)
                 seg.blocks.append(last)
@@ -115,6 +138,7 @@ class SimAllocator:
         best.prev = []
         self.allocated += n
         self.max_allocated = max(self.max_allocated, self.allocated)
+        self.high_allocated = max(self.high_allocated, self.allocated)
         if self.reserved > self.max_reserved:
             self.max_reserved = self.reserved
             self.at_peak = self.describe()
@@ -167,6 +191,7 @@ class SimStream:
         self.done = 0                 # position executed up to
         self.eager = eager
         self.device = device
+        self.dev = self.sim.device_index(device, "Stream()")
         self.sim.streams.append(self)
 
     @property
@@ -208,7 +233,7 @@ class SimStream:
         self.sim.stack.pop()
 
     def __repr__(self) -> str:
-        return f"SimStream({self.id}{', compute' if self.eager else ''})"
+        return f"SimStream({self.id}{', compute' if self.eager else ''}{f', cuda:{self.dev}' if self.dev else ''})"
 
 
 class SimEvent:
@@ -220,7 +245,7 @@ class SimEvent:
 
     def record(self, stream: SimStream | None = None) -> None:
         sim = SimCuda.active
-        stream = stream or sim.current()
+        stream = stream or sim.current_stream(None, "Event.record()")
         self.stream, self.pos, self.clock = stream, stream.pos, dict(stream.clock)
         self.t = time.perf_counter()
 
@@ -246,6 +271,8 @@ class SimEvent:
         self.stream.sim.host_observes(self.clock)
 
     def elapsed_time(self, end: "SimEvent") -> float:
+        if self.stream is not None and end.stream is not None and self.stream.dev != end.stream.dev:
+            raise RuntimeError("CUDA error: invalid resource handle (events recorded on different devices)")
         return max(0.0, (end.t - self.t) * 1e3)
 
 
@@ -260,6 +287,7 @@ class _Rec:
         self.recorded: set[int] = set()    # streams named by record_stream
         self.torch_pinned = False          # from torch's host allocator (pin_memory)
         self.alive = True
+        self.dev = 0                       # the simulated device it lives on
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -306,8 +334,13 @@ class _CudaRT:
 class SimCuda:
     active: "SimCuda | None" = None
 
-    def __init__(self) -> None:
+    def __init__(self, devices: int = 1) -> None:
         self._ids = itertools.count()
+        self.n_devices = devices
+        self.current_device = 0
+        self.device_calls: list[tuple[str, int]] = []   # calls that named no device: (what, device used)
+        self.empty_cache_calls = 0
+        self.fraction_calls: list[float] = []
         self.streams: list[SimStream] = []
         self.hazards: list[str] = []
         self.recorded_types: list[str] = []  # the type of every tensor record_stream was called on
@@ -324,9 +357,57 @@ class SimCuda:
         self.ops = 0
         self.host_syncs = 0               # host waits (stream, event, device synchronize)
         self.peak_resets = 0
+        self.pinned_peak = 0              # most bytes from torch's page-locked allocator alive at once
+        self.pageable_async: list[str] = []  # non-blocking copies from pageable host memory (they stall)
         SimCuda.active = self
-        self.compute = SimStream(sim=self, eager=True)
+        self.computes = {d: SimStream(d, sim=self, eager=True) for d in range(devices)}
+        self.compute = self.computes[0]
+        self.allocs = {0: self.alloc}
+        for d in range(1, devices):
+            self.allocs[d] = SimAllocator(self._reused)
         self.stack: list[SimStream] = [self.compute]
+
+    # devices
+
+    def device_index(self, device, what: str) -> int:
+        """The device a call means; one that names none means the current device (recorded)."""
+        if device is None:
+            self.device_calls.append((what, self.current_device))
+            return self.current_device
+        if isinstance(device, int):
+            return device
+        device = torch.device(device)
+        if device.index is None:
+            self.device_calls.append((what, self.current_device))
+            return self.current_device
+        return device.index
+
+    def current_stream(self, device=None, what: str = "current_stream()") -> SimStream:
+        d = self.device_index(device, what)
+        top = self.stack[-1]
+        return top if top.dev == d else self.computes[d]
+
+    def alloc_of(self, device=None, what: str = "memory statistics") -> SimAllocator:
+        return self.allocs[self.device_index(device, what)]
+
+    def empty_cache(self) -> None:
+        """Every device's cache, as torch's allocators do (both the native one and
+        cudaMallocAsync, which synchronises each device first)."""
+        self.empty_cache_calls += 1
+        self.device_calls.append(("empty_cache()", self.current_device))
+        for a in self.allocs.values():
+            a.empty_cache()
+
+    total_memory = 1 << 36   # what get_device_properties reports for every simulated device
+
+    def set_memory_fraction(self, fraction: float, device=None) -> None:
+        a = self.alloc_of(device, "set_per_process_memory_fraction()")
+        a.cap = None if fraction >= 1.0 else int(fraction * self.total_memory)
+        self.fraction_calls.append(fraction)
+
+    def live_pinned_bytes(self) -> int:
+        """Host bytes from torch's page-locked allocator (pin_memory) that are alive now."""
+        return sum(r.nbytes for r in self.recs.values() if r.host and r.torch_pinned)
 
     @contextlib.contextmanager
     def host_memory(self):
@@ -437,8 +518,9 @@ class SimCuda:
         if base == 0 or base in self.recs:
             return self.recs.get(base)
         host = bool(self.host_ctx) if host is None else host
-        block = None if host else self.alloc.alloc(n, stream.id)
+        block = None if host else self.allocs[stream.dev].alloc(n, stream.id)
         rec = _Rec(base, n, host, stream.id, block)
+        rec.dev = stream.dev
         self.recs[base] = rec
         weakref.finalize(st, self._freed, rec)
         return rec
@@ -458,7 +540,7 @@ class SimCuda:
         prev = [(sid, p) for (sid, _w, _a, _b), p in rec.acc.items()
                 if sid != rec.stream_id and sid not in rec.recorded]
         if rec.block is not None:
-            self.alloc.free(rec.block, prev)
+            self.allocs[rec.dev].free(rec.block, prev)
 
     def _reused(self, stream_id: int, block) -> None:
         stream = next((s for s in self.streams if s.id == stream_id), None)
@@ -473,6 +555,18 @@ class SimCuda:
             return any(self.is_device(v) for v in vars(t).values() if isinstance(v, torch.Tensor))
         rec = self.recs.get(t.untyped_storage().data_ptr())
         return rec is not None and not rec.host
+
+    def op_device(self, tensors: list, kwargs: dict) -> int | None:
+        """The device an operator runs on: its device tensors', else the device it allocates on
+        (the placement seam maps ``cuda:N`` to ``cpu:N``), else None (the current one)."""
+        for t in tensors:
+            rec = self.recs.get(t.untyped_storage().data_ptr())
+            if rec is not None and not rec.host:
+                return rec.dev
+        dev = kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.index:
+            return dev.index
+        return None
 
     def device_op(self, tensors: list) -> bool:
         if not tensors:
@@ -495,17 +589,26 @@ class _SimMode(TorchDispatchMode):
         sim = self.sim
         sim.ops += 1
         flat, _ = tree_flatten((args, kwargs))
-        if any(isinstance(t, torch.Tensor) and _wrapper(t) for t in flat):
-            # a wrapper subclass has no storage of its own; its dispatch runs the op on its inner
-            # tensors with this mode off, so the simulator does not see them: such weights run,
-            # but their ordering is not checked here
-            return func(*args, **kwargs)
+        wrapped = [type(t) for t in flat if isinstance(t, torch.Tensor) and _wrapper(t)]
+        if wrapped:
+            # A wrapper subclass has no storage of its own: run its own dispatch with this mode
+            # on again, so that the operators it runs on its inner tensors (a clone of the
+            # scales, a dequantize) are simulated, ordered and allocated like any other.
+            with self:
+                return wrapped[0].__torch_dispatch__(func, types, args, kwargs)
         tensors = [t for t in flat if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided]
         if func.is_view or func in _METADATA_OPS:
             return func(*args, **kwargs)
         if sim.pending_error is not None and sim.device_op(tensors):
             sim.raise_pending()
         stream = sim.current()
+        if stream.eager and sim.n_devices > 1:
+            # an operator runs on the compute stream of the device its tensors are on (a new
+            # tensor for "cuda" with no index: the current device)
+            dev = sim.op_device(tensors, kwargs)
+            dev = sim.current_device if dev is None else dev
+            if dev != stream.dev:
+                stream = sim.computes[dev]
         if sim.host_ctx and stream.eager:   # CPU work on host tensors (a model loaded on the CPU)
             written = _written(func, args, kwargs)
             for t in tensors:
@@ -541,8 +644,17 @@ class _SimMode(TorchDispatchMode):
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             out = dst
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         else:
             src = args[0]
+            blocking = not kwargs.get("non_blocking", False)
+        host = sim.recs.get(src.untyped_storage().data_ptr())
+        host = host if host is not None and host.host else None
+        if host is not None and not blocking and not host.torch_pinned and host.base not in sim.registered:
+            # CUDA stages a pageable source through its own buffer and returns only when it is
+            # staged: the host stalls where the code asked it not to
+            sim.pageable_async.append(f"{func} of {src.untyped_storage().nbytes()} B")
+        if func is not aten.copy_.default:
             dtype = kwargs.get("dtype") or src.dtype
             out = torch.empty(src.shape, dtype=dtype)
             _fill_fresh(out)
@@ -554,6 +666,11 @@ class _SimMode(TorchDispatchMode):
         keep = src if (r := sim.recs.get(src.untyped_storage().data_ptr())) is not None and r.torch_pinned else None
         # torch's host allocator keeps a page-locked source until the copy has run
         stream.queue.append(("op", pos, lambda d=_WeakView(dst), s=_WeakView(src), k=keep: _deferred_copy(d, s)))
+        if host is not None and blocking:
+            # a blocking copy from host memory returns when it is done: the host waits for it
+            sim.host_syncs += 1
+            sim.flush(stream, pos)
+            sim.host_observes(dict(stream.clock))
         return out
 
 
@@ -585,6 +702,18 @@ def _fill_fresh(t: torch.Tensor) -> None:
         torch.empty(0, dtype=torch.uint8).set_(st).fill_(NAN_FILL)
 
 
+def _storages_of(t: torch.Tensor) -> list:
+    """``t`` itself, or a wrapper subclass's inner tensors (recursively)."""
+    if not _wrapper(t):
+        return [t]
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, n) for n in names]
+    else:
+        inner = [v for v in vars(t).values() if isinstance(v, torch.Tensor)]
+    return [s for i in inner for s in _storages_of(i)]
+
+
 def _wrapper(t: torch.Tensor) -> bool:
     """A wrapper tensor subclass (``_make_wrapper_subclass``): no storage of its own."""
     if type(t) in (torch.Tensor, torch.nn.Parameter):
@@ -614,13 +743,40 @@ def _written(func, args, kwargs) -> list:
 
 # -- installing it ----------------------------------------------------------------------------
 
+class _SimProps:
+    def __init__(self, total: int, index: int) -> None:
+        self.total_memory, self.index, self.name = total, index, f"simulated cuda:{index}"
+
+
+class _SimDevice:
+    """``torch.cuda.device(i)``: the current device inside the block."""
+
+    def __init__(self, device) -> None:
+        self.idx = SimCuda.active.device_index(device, "device()") if device is not None else None
+
+    def __enter__(self):
+        sim = SimCuda.active
+        self.prev = sim.current_device
+        if self.idx is not None:
+            sim.current_device = self.idx
+        return self
+
+    def __exit__(self, *exc):
+        SimCuda.active.current_device = self.prev
+
+
+def _placement(device: torch.device) -> torch.device:
+    """Where a simulated device's tensors are made: host memory, ``cpu:N`` for ``cuda:N`` (N > 0),
+    so the simulator knows which device an allocation is for."""
+    return torch.device("cpu", device.index) if device.index else torch.device("cpu")
+
+
 @contextlib.contextmanager
-def simulated_cuda(monkeypatch):
+def simulated_cuda(monkeypatch, devices: int = 1):
     """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator."""
     from vramcut_core.runtime import device_memory, host_memory
 
-    sim = SimCuda()
-    cpu = torch.device("cpu")
+    sim = SimCuda(devices)
     orig_host_buffer = host_memory._host_buffer
 
     def host_buffer(nbytes):
@@ -634,15 +790,16 @@ def simulated_cuda(monkeypatch):
 
     def record_stream(self, stream):
         sim.recorded_types.append(type(self).__name__)
-        if _wrapper(self):
-            return
-        rec = sim.recs.get(self.untyped_storage().data_ptr())
-        if rec is not None:
-            rec.recorded.add(stream.id)
+        for t in _storages_of(self):   # a wrapper's dispatch passes it to its inner tensors
+            rec = sim.recs.get(t.untyped_storage().data_ptr())
+            if rec is not None:
+                rec.recorded.add(stream.id)
 
     def is_pinned(self, *a, **k):
-        return self.untyped_storage().data_ptr() in sim.registered or bool(
-            (r := sim.recs.get(self.untyped_storage().data_ptr())) is not None and r.torch_pinned)
+        def one(t):
+            ptr = t.untyped_storage().data_ptr()
+            return ptr in sim.registered or bool((r := sim.recs.get(ptr)) is not None and r.torch_pinned)
+        return all(one(t) for t in _storages_of(self))   # a wrapper: its inner tensors (its dispatch)
 
     def pin_memory(self, *a, **k):
         if sim.pin_memory_fails:
@@ -653,30 +810,43 @@ def simulated_cuda(monkeypatch):
                 t = self.clone()
             rec = sim.track_new(t, sim.current(), host=True)
             rec.torch_pinned = True
+            sim.pinned_peak = max(sim.pinned_peak, sim.live_pinned_bytes())
             return t
         finally:
             sim.host_ctx -= 1
 
     cuda = torch.cuda
-    monkeypatch.setattr(device_memory, "_placement", lambda device: cpu)
+    monkeypatch.setattr(device_memory, "_placement", _placement)
     monkeypatch.setattr(host_memory, "_host_buffer", host_buffer)
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
-    monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current())
-    monkeypatch.setattr(cuda, "default_stream", lambda device=None: sim.compute)
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))
+    monkeypatch.setattr(cuda, "default_stream",
+                        lambda device=None: sim.computes[sim.device_index(device, "default_stream()")])
     monkeypatch.setattr(cuda, "stream", lambda s: s if s is not None else contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "device", _SimDevice)
+    monkeypatch.setattr(cuda, "current_device", lambda: sim.current_device)
+    monkeypatch.setattr(cuda, "device_count", lambda: sim.n_devices)
     monkeypatch.setattr(cuda, "synchronize", sim.synchronize)
     monkeypatch.setattr(cuda, "cudart", lambda: _CudaRT(sim))
-    monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: sim.alloc.allocated)
-    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: sim.alloc.reserved)
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: sim.alloc.max_allocated)
-    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: sim.alloc.max_reserved)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: sim.alloc_of(device).allocated)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: sim.alloc_of(device).reserved)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: sim.alloc_of(device).max_allocated)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: sim.alloc_of(device).max_reserved)
     def reset_peak(device=None):
         sim.peak_resets += 1
-        sim.alloc.reset_peak()
+        sim.alloc_of(device).reset_peak()
 
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset_peak)
-    monkeypatch.setattr(cuda, "empty_cache", sim.alloc.empty_cache)
+    monkeypatch.setattr(cuda, "set_per_process_memory_fraction", sim.set_memory_fraction)
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device=None: (
+        1.0 if (a := sim.alloc_of(device, "get_per_process_memory_fraction()")).cap is None
+        else a.cap / sim.total_memory))
+    monkeypatch.setattr(cuda, "get_device_properties",
+                        lambda device=None: _SimProps(sim.total_memory, sim.device_index(device, "get_device_properties()")))
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (
+        sim.total_memory - sim.alloc_of(device, "mem_get_info()").reserved, sim.total_memory))
+    monkeypatch.setattr(cuda, "empty_cache", sim.empty_cache)
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
     monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)

@@ -4,7 +4,11 @@
 for an input signature is the measured one: every unit streams through one slot while the
 activation meter records each unit's live bytes; from that, the merged plan for the signature is
 built and cached. Later forwards with the same signature reuse it, so a sampling run plans once;
-a new resolution or batch plans again.
+a new resolution or batch plans again. On CUDA, shapes that alternate while the executor holds
+its buffers (CFG's cond and uncond, two batch sizes) and whose plans would lay the buffers out
+differently share one plan, made from the most each unit needed in any of them: a steady step of
+any mix of them then reshapes nothing (no buffer freed or allocated, no host sync, no
+``empty_cache``, no fragmentation of the allocator's cache).
 
 The one rule: the measured forward stays within the budget too. It starts with the units cut
 only as far as the budget needs for weights alone (cutting adds resident parts, so it is not done
@@ -30,7 +34,7 @@ from torch import nn
 
 from . import quant
 from .executor import SegmentedExecutor
-from .measure import OverBudget, UnitMeasurement, describe_signature, signature
+from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
 from .plan import BudgetError, Plan, PlanOptions, PlanUnit, budget_error, gib_text, make_plan, measuring_plan
 from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, is_plain_tensor
@@ -78,6 +82,7 @@ class Engine:
         self.executor = SegmentedExecutor(self._lookup, config.device, pin_memory=config.pin_memory,
                                           track_cpu_memory=config.track_cpu_memory, module=module)
         self._plans: dict[tuple, Plan] = {}
+        self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
         self._failed: dict[tuple, BudgetError] = {}
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
         self.last_plan: Plan | None = None
@@ -128,6 +133,7 @@ class Engine:
         self._reset_units()
         if [u.name for u in self.unitset.units] != old:
             self._plans.clear()
+            self._joined.clear()
             self._failed.clear()
             self.measurements.clear()
 
@@ -295,6 +301,7 @@ class Engine:
         if budget_bytes != self.config.budget_bytes:
             self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
             self._plans.clear()
+            self._joined.clear()
             self._failed.clear()
 
     def keep_buffers(self, keep: bool) -> None:
@@ -359,9 +366,32 @@ class Engine:
             if self.on_plan is not None:
                 self.on_plan(self, plan, sig)
             return out
+        plan = self._steady(sig, plan)
         out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
         self._record(plan, sig, stats)
         return out
+
+    def _steady(self, sig: tuple, plan: Plan) -> Plan:
+        """The plan to run ``sig`` with: its own, or, when it alternates with the last shape while
+        buffers are held and the two plans lay them out differently, one plan for both (see the
+        module docstring)."""
+        last, prev = self.last_plan, self.last_signature
+        if (not self.executor.cuda or last is None or last is plan or not self.executor.device_bytes
+                or self._plans.get(prev) is not last or _buffers(last) == _buffers(plan)):
+            return plan
+        group = self._joined.get(sig, frozenset((sig,))) | self._joined.get(prev, frozenset((prev,)))
+        meas = joint_measurements([self.measurements[s] for s in group if s in self.measurements])
+        if meas is None:
+            return plan
+        try:
+            joint = self._measured_plan(meas)
+        except BudgetError:
+            return plan
+        for s in group:
+            self._plans[s], self._joined[s] = joint, group
+        if self.on_plan is not None:
+            self.on_plan(self, joint, sig)
+        return joint
 
     def _guard(self, run: Callable, fn: Callable, args: tuple, kwargs: dict):
         """``run(fn, args, kwargs)``; a real out-of-memory error inside it comes out naming the
@@ -422,6 +452,11 @@ class Engine:
             "plan": plan_to_json(plan, self.stats if plan.measured else None),
             "verify": list(self.verify_results),
         }
+
+
+def _buffers(plan: Plan) -> tuple:
+    """What the executor allocates for a plan: resident units, slots and their size."""
+    return frozenset(plan.resident_units), plan.slots, plan.slot_bytes
 
 
 def _subtree(u: Unit) -> list[nn.Module]:

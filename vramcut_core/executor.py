@@ -173,6 +173,7 @@ class SegmentedExecutor:
         self.failed_unit = None
         self.peak_weight_bytes = self.device_bytes  # this forward's peak, not the executor's lifetime's
         global_hooks = []
+        capped = None   # the allocator's fraction to restore after a capped measuring forward
         try:
             self._release_others()
             if self.cuda:
@@ -188,13 +189,20 @@ class SegmentedExecutor:
             ms.input_bytes = _input_bytes(args, kwargs, self.device) if ms.meter is not None else 0
             if ms.meter is not None:
                 ms.meter.start()
+            if self.cuda:
+                capped = ms.cap_cuda(self.device_bytes + ms.input_bytes)
             if not resumed:
                 self.hooks.install(plan, ms.meas is not None, self.memory.resident_names)
             global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())
             out = fn(*args, **kwargs)
             ok = True
             return out, stats, ms.finish(self._current)
+        except torch.OutOfMemoryError:
+            if capped is None:
+                raise
+            raise ms.over_cap(self._current) from None  # a finer cut, never a peak over the budget
         finally:
+            ms.uncap_cuda(capped)
             for h in global_hooks:
                 h.remove()
             if not ok:
@@ -292,7 +300,7 @@ class SegmentedExecutor:
     def _begin(self, plan: Plan) -> None:
         self._plan = plan
         mem, groups = self.memory, plan.streamed_groups
-        mem.free_for(plan, self._stale_copies, self.transfers.wait_copies)
+        mem.free_for(plan, self._stale_copies, self.transfers.order_after_copies)
         self.transfers.load_resident(plan, self._stale_copies)
         self._stale_copies = False
         while len(mem.slots) < plan.slots:

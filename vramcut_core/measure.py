@@ -75,6 +75,20 @@ class UnitMeasurement:
         return max(0, self.peak_bytes - self.entry_bytes)
 
 
+def joint_measurements(runs: list[dict[str, UnitMeasurement]]) -> dict[str, UnitMeasurement] | None:
+    """One measurement per unit for forwards of several input shapes that enter the same units in
+    the same order: the most live bytes and calls any of them saw, so one plan made from it fits
+    each of them. None when the shapes run different units (an encode and a decode)."""
+    if not runs:
+        return None
+    order = list(runs[0])
+    if any(list(r) != order for r in runs[1:]):
+        return None
+    return {n: UnitMeasurement(max(r[n].entry_bytes for r in runs), max(r[n].peak_bytes for r in runs),
+                               max(r[n].calls for r in runs), frozenset().union(*(r[n].modules for r in runs)))
+            for n in order}
+
+
 class OverBudget(RuntimeError):
     """Stops a measuring forward before it passes the budget (the engine re-plans or explains).
 

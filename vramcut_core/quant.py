@@ -16,6 +16,8 @@ in a unit's flat host master and flat device buffer like any plain tensor, at it
   as they are at the time of the call).
 * ``rehome_(t, views)``: point ``t``'s own parts at ``views`` (the unit's flat host master), so
   the object the model holds stays the same one.
+* ``as_parameter(t)``: a rebuilt object marked as a parameter without the copy ``nn.Parameter``
+  would make of a subclass.
 
 The one rule: never copy a value here and never import the host; only storage is re-pointed.
 """
@@ -91,6 +93,19 @@ def rebuild(t: torch.Tensor, views: Sequence[torch.Tensor]) -> torch.Tensor:
         new.__dict__.update(t.__dict__)
         return new
     raise TypeError(f"{format_name(t)} cannot be rebuilt from parts")
+
+
+def as_parameter(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, marked as a parameter (``isinstance(t, nn.Parameter)``), nothing copied.
+
+    ``nn.Parameter(t)`` on a tensor subclass returns ``t.detach()`` with this same mark, and
+    comfy-kitchen's ``QuantizedTensor.detach`` clones its scales: on a device copy still being
+    written by the copy stream, that clone reads the scales before they land, and it allocates
+    device memory no budget counts. The mark is what ``nn.Parameter`` sets (``_is_param``)."""
+    if isinstance(t, torch.nn.Parameter):
+        return t
+    t._is_param = True
+    return t
 
 
 def rehome_(t: torch.Tensor, views: Sequence[torch.Tensor]) -> None:

@@ -22,7 +22,8 @@ def test_gpu_check_dry_prints_every_key_and_no_figure():
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout)
     assert res["dry"] is True and res["device"] is None
-    assert set(res) >= {"register", "bandwidth", "sanitizer", "forwards", "sessions", "offload"}
+    assert set(res) >= {"register", "bandwidth", "sanitizer", "forwards", "sessions", "offload", "checks"}
+    assert set(res["checks"]) == {"kitchen", "replan", "teardown", "alternating", "second_gpu"}
     assert set(res["register"]) == {"registered", "register_s_per_gb", "unregister_s_per_gb",
                                     "failed_register_leaves_pending_error", "executor_clears_it"}
     assert set(res["sanitizer"]) == {"native", "cudaMallocAsync"}

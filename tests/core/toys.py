@@ -212,6 +212,41 @@ class QuantStack(nn.Module):
         return x
 
 
+class Temp(nn.Module):
+    """A large temporary, freed before the module returns (``k`` times its input)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        big = x.unsqueeze(-1).expand(*x.shape, self.k).contiguous()
+        return x + big.amax(-1)
+
+
+class TempBlock(nn.Module):
+    def __init__(self, d: int, k: int) -> None:
+        super().__init__()
+        self.a, self.temp, self.b, self.c = nn.Linear(d, d), Temp(k), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(self.temp(self.a(x)))))
+
+
+class TempStack(nn.Module):
+    def __init__(self, d: int = 64, depth: int = 6, k: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.blocks = nn.ModuleList(TempBlock(d, k) for _ in range(depth))
+        self.out = nn.Linear(d, 16)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
 class Boom(Exception):
     pass
 

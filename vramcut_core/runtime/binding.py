@@ -65,8 +65,11 @@ class Binding:
             ut = unit.tensors[i]
             saved[i] = ut.tensor
             new = quant.rebuild(ut.tensor, views)
-            if isinstance(ut.tensor, nn.Parameter) and not isinstance(new, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=False)
+            if isinstance(ut.tensor, nn.Parameter):
+                # not nn.Parameter(new): on a subclass that detaches it, and comfy-kitchen's detach
+                # clones the scales, reading a slot the copy stream may still be writing into
+                # memory the budget does not count
+                new = quant.as_parameter(new)
             for r in ut.refs:
                 r.set(new)
         self.swapped[name] = saved

@@ -56,6 +56,7 @@ class DeviceMemory:
 
     def __init__(self, units: Callable[[str], Unit], device: torch.device) -> None:
         self._unit = units
+        self.device = device
         self.cuda = device.type == "cuda"
         self.place = _placement(device)
         self.layouts: dict[str, Layout] = {}
@@ -105,14 +106,17 @@ class DeviceMemory:
     def slot_other_bytes(self, slot: Slot) -> int:
         return sum(self.other_bytes(dc) for dc in slot.copies.values())
 
-    def free_for(self, plan, stale: bool, wait_copies: Callable[[], None]) -> None:
+    def free_for(self, plan, stale: bool, after_copies: Callable[[], None]) -> None:
         """Free what a new plan no longer keeps, before anything new is allocated (in methods, so
         that no local variable keeps a freed buffer alive). ``stale``: the host wrote into the
-        masters, every slot copy goes."""
+        masters, every slot copy goes. ``after_copies`` orders the compute stream after the
+        copies issued (on the device: the host does not wait)."""
         resident = set(plan.resident_units)
         freed = self.free_unkept_resident(resident)
         if self.slots_differ(plan.slots, plan.slot_bytes):
-            wait_copies()  # hazard: freeing a slot a prefetch still writes
+            # hazard: freeing a slot a prefetch still writes (the allocator hands it out again on
+            # the compute stream, which then runs after the copy)
+            after_copies()
             self.free_slots()
             freed = True
         if stale:
@@ -179,7 +183,8 @@ class DeviceMemory:
     def empty_cache(self) -> None:
         """Give the allocator's cached blocks back (callers name the hazard)."""
         if self.cuda:
-            torch.cuda.empty_cache()
+            with torch.cuda.device(self.device):  # the executor's device, not the current one
+                torch.cuda.empty_cache()
 
     def forget_layouts(self) -> None:
         self.layouts.clear()

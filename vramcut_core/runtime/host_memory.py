@@ -47,6 +47,26 @@ class _PinLedger:
         self.bytes = 0
         self.cap: int | None = None
         self.room: Callable[[], int] | None = None
+        # Staging buffers from torch's page-locked host allocator: it keeps them cached, so the
+        # most staged at once (rounded as it rounds) stays page-locked, counted in ``bytes``.
+        self.staging = 0
+        self._in_flight: list[tuple[object, int]] = []   # (event of the copy reading it, bytes)
+
+    def staging_room(self, n: int) -> bool:
+        """Whether staging ``n`` more bytes now stays within the cap and the host's room."""
+        self._in_flight = [(ev, b) for ev, b in self._in_flight if not ev.query()]
+        grow = sum(b for _, b in self._in_flight) + host_alloc_size(n) - self.staging
+        return grow <= 0 or self.allows(grow)
+
+    def staged(self, done, n: int) -> None:
+        """``n`` bytes were staged for the copy that ``done`` marks."""
+        if not n:
+            return
+        self._in_flight.append((done, n))
+        now = sum(b for _, b in self._in_flight)
+        if now > self.staging:
+            self.bytes += now - self.staging
+            self.staging = now
 
     def limit(self) -> int | None:
         if self.cap is None:
@@ -89,10 +109,17 @@ def _unpin(buf: torch.Tensor, readers: dict, place: torch.device) -> None:
     PINNED.bytes -= buf.numel()
 
 
+def host_alloc_size(n: int) -> int:
+    """What torch's page-locked host allocator reserves for ``n`` bytes (a power of two)."""
+    return 1 << max(0, n - 1).bit_length() if n else 0
+
+
 def staged(buf: torch.Tensor, place: torch.device) -> tuple[torch.Tensor, bool]:
     """A page-locked copy of a pageable master from torch's host allocator (reused after the copy
     that reads it has finished), so the device copy stays asynchronous; the master itself where
-    that fails."""
+    that fails or the page-locked room is spent (then copied synchronously, on purpose)."""
+    if not PINNED.staging_room(buf.numel()):
+        return buf, False
     try:
         return buf.pin_memory(), True
     except RuntimeError:
@@ -159,6 +186,24 @@ class _HostMaster:
         if self._fin is not None:
             self._fin()
         self.pinned = False
+
+
+def masters_holding(unit: Unit) -> list:
+    """Page-locked masters whose buffers hold ``unit``'s tensors although they are not its own (a
+    part of a unit cut finer still lives in the whole unit's master): a copy from them must be
+    waited for before they are unpinned."""
+    spans = [(m.buf.data_ptr(), m.buf.data_ptr() + m.buf.numel(), m)
+             for m in list(_SHARED_MASTERS.values()) if m.pinned]
+    out = []
+    for ut in unit.tensors:
+        try:
+            ptr = ut.tensor.data_ptr()
+        except RuntimeError:
+            continue
+        for lo, hi, m in spans:
+            if lo <= ptr < hi and m not in out:
+                out.append(m)
+    return out
 
 
 class HostMasters:

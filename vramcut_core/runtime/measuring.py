@@ -108,8 +108,35 @@ class Measuring:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base_reserved = torch.cuda.memory_reserved(self.device) - self.memory.bytes
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))  # the executor's device, not the current one
         return ev
+
+    def cap_cuda(self, counted: int) -> float | None:
+        """A measuring forward on CUDA: cap this process's reserved memory on the device at what
+        it reserves now, less ``counted`` (bytes the limit counts: the executor's buffers, the
+        inputs), plus the limit, so an allocation that would pass the budget (a temporary made
+        and freed inside one module, which no hook sees) fails where it is made and the engine
+        cuts finer. Returns the fraction to restore (None: nothing capped)."""
+        if not self.cuda or self.limit is None:
+            return None
+        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        prev = get(self.device) if get is not None else 1.0
+        # hazard: cached blocks would serve a temporary past the budget without touching the cap
+        self.memory.empty_cache()
+        others = torch.cuda.memory_reserved(self.device) - counted
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (others + self.limit) / total), self.device)
+        return prev
+
+    def over_cap(self, current: str | None) -> OverBudget:
+        """The cap stopped an allocation: the forward would have passed the limit there."""
+        weights = self.memory.peak
+        act = max(self.act_seen, self.limit - weights + 1)
+        return OverBudget("activations", current, weights, act, self.limit)
+
+    def uncap_cuda(self, prev: float | None) -> None:
+        if prev is not None:
+            torch.cuda.set_per_process_memory_fraction(prev, self.device)
 
     def limit_hooks_cuda(self, check) -> list:
         """The allocator cannot call back: check between module calls while measuring."""
@@ -121,11 +148,11 @@ class Measuring:
     def end_cuda(self, stats):
         """A CUDA forward ends: its timing event, and its device peak where it reset the peak."""
         end_ev = torch.cuda.Event(enable_timing=True)
-        end_ev.record()
+        end_ev.record(torch.cuda.current_stream(self.device))
         if not self.reset_peak:
             return end_ev
-        # a peak read needs this forward's kernels done (only measured or switching forwards)
-        end_ev.synchronize()
+        # (no wait for the kernels: the allocator's statistics are kept by the host at each
+        # allocation, so a plan switch costs no host sync)
         # the meter resets the allocator's peak per unit: the forward's peak is the largest seen
         stats.peak_device_bytes = max(max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device)) - self.base,
                                       torch.cuda.max_memory_reserved(self.device) - self.base_reserved)

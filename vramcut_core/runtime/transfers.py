@@ -23,7 +23,7 @@ from .. import quant
 from ..plan import Plan
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
-from .host_memory import HostMasters, _HostMaster, staged
+from .host_memory import PINNED, HostMasters, _HostMaster, host_alloc_size, masters_holding, staged
 from .layout import quant_views, view
 
 
@@ -65,6 +65,7 @@ class Transfers:
         self.waits: list[tuple[object, object]] = []    # CUDA (start, end) of compute waiting
         self.timing: list[tuple[object, object]] = []   # CUDA (start, end) of forwards not yet timed
         self.stats = None                               # the running forward's RunStats
+        self._staged_bytes = 0                          # page-locked staging of the transfer being issued
         # Other streams that read the weights while they are swapped in (the host's offload
         # streams): each waits on the same copy events as the compute stream.
         self.reader_streams: Callable[[], list] | None = None
@@ -88,6 +89,11 @@ class Transfers:
         """Block the host until every copy issued has landed (callers name the hazard)."""
         if self.cuda:
             self.copy_stream.synchronize()
+
+    def order_after_copies(self) -> None:
+        """The compute stream runs after every copy issued (no host wait; callers name the hazard)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def load(self, names: tuple[str, ...], buf: torch.Tensor, sync: bool) -> dict[str, DeviceCopy]:
         """Copy the weights of units ``names`` back to back into ``buf`` (subclass tensors next
@@ -115,18 +121,20 @@ class Transfers:
                     self.copy_stream.wait_event(ev)
                     ev_start.record(self.copy_stream)
                 base = 0
+                self._staged_bytes = 0
                 for name in names:
                     out[name] = self._copy_unit(name, buf, base, masters[name], compute)
                     base += mem.layout(name).nbytes
                 if self.cuda:
                     done = torch.cuda.Event(enable_timing=True)
                     done.record(self.copy_stream)
+                    PINNED.staged(done, self._staged_bytes)
                     for dc in out.values():
                         dc.ready = done
                     self.events.append((ev_start, done))
-                    for m in masters.values():
-                        if m is not None:
-                            m.read_by(self.copy_stream, done)
+                    for n, m in masters.items():
+                        for owner in ([m] if m is not None else masters_holding(self._unit(n))):
+                            owner.read_by(self.copy_stream, done)
         other = sum(mem.layout(n).other_bytes for n in names)
         if other:
             mem.account(other)
@@ -183,6 +191,8 @@ class Transfers:
         if master is not None and lay.nbytes:
             # a pageable master would make the copy wait for the compute stream on the host
             src_buf, async_ok = (master.buf, True) if master.pinned else staged(master.buf, place)
+            if src_buf is not master.buf:
+                self._staged_bytes += host_alloc_size(src_buf.numel())
         if src_buf is not None:
             buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
             for i, off, n in lay.flat:
@@ -193,23 +203,29 @@ class Transfers:
             for i, off, n in lay.flat:
                 src = self.binding.host(name, i)
                 v = view(buf, base + off, n, src)
-                v.copy_(src, non_blocking=self.cuda)
+                v.copy_(src, non_blocking=self._async_from(src))
                 dc.views[i] = v
             for i, spans in lay.quant.items():
                 t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
                 views = quant_views(buf, t, spans, base)
                 for v, p in zip(views, quant.parts(t)):
-                    v.copy_(p, non_blocking=self.cuda)
+                    v.copy_(p, non_blocking=self._async_from(p))
                 dc.parts[i] = views
         for i in lay.other:
             src = self.binding.host(name, i)
-            dev = src.to(place, non_blocking=self.cuda, copy=True)
+            dev = src.to(place, non_blocking=self._async_from(src), copy=True)
             if self.cuda:
                 # allocated on the copy stream, used on the compute stream: keep the
                 # allocator from reusing it before compute is done with it
                 dev.record_stream(compute)
             dc.views[i] = dev
         return dc  # a staging buffer goes back to torch's host cache (reused after the copy)
+
+    def _async_from(self, src: torch.Tensor) -> bool:
+        """Whether a copy from ``src`` may be asynchronous: on CUDA from page-locked memory only.
+        hazard: a non-blocking copy from pageable memory makes the host wait anyway (CUDA stages
+        it), unseen; it is synchronous here on purpose (pin_memory off, no room to stage)."""
+        return self.cuda and src.is_pinned()
 
     def order_readers(self, ready) -> None:
         """Every stream that reads the weights waits for the copy that put them there."""

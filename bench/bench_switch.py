@@ -1,0 +1,58 @@
+"""Host syncs and ``empty_cache`` calls per steady forward when input shapes alternate (CFG's
+cond and uncond, two batch sizes), on the simulated accelerator (tests/sim_cuda.py), so it runs
+without a GPU. Two cases: both shapes plan the same buffers ("same"), or the second shape's
+larger activations plan fewer residents and one slot ("reshaped"). Prints one line per case.
+
+    python bench/bench_switch.py [--steps N] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "core")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import pytest  # noqa: E402  (its MonkeyPatch installs the simulator)
+
+import test_sim_switch  # noqa: E402
+from sim_cuda import simulated_cuda  # noqa: E402
+
+
+def run(kind: str, steps: int) -> dict:
+    test_sim_switch.STEPS = steps
+    mp = pytest.MonkeyPatch()
+    try:
+        with simulated_cuda(mp) as sim:
+            (syncs, caches), exact, (pa, pb), over = test_sim_switch.alternate(sim, kind)
+            hazards = len(sim.hazards)
+    finally:
+        mp.undo()
+    return {"case": kind, "steps": steps, "host_syncs_per_forward": syncs, "empty_cache_per_forward": caches,
+            "bit_equal": exact, "hazards": hazards, "reserved_within_budget": over is None, "same_plan": pa is pb,
+            "plans": [{"resident": len(p.resident_units), "slots": p.slots, "slot_bytes": p.slot_bytes} for p in (pa, pb)]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10, help="alternating forwards after warm-up")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = [run(k, a.steps) for k in ("same", "reshaped")]
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            print(f"{r['case']:9s} {r['steps']} alternating forwards: {r['host_syncs_per_forward']:.2f} host syncs, "
+                  f"{r['empty_cache_per_forward']:.2f} empty_cache per forward; bit-equal {r['bit_equal']}, "
+                  f"hazards {r['hazards']}, reserved within budget {r['reserved_within_budget']}, "
+                  f"one plan for both shapes {r['same_plan']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
