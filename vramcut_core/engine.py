@@ -35,7 +35,7 @@ from .executor import SegmentedExecutor
 from .measure import OverBudget, UnitMeasurement, describe_signature, signature
 from .plan import STOPPED, BudgetError, Plan, PlanOptions, PlanUnit, budget_error, make_plan, measuring_plan
 from .report import RunStats, plan_to_json, plan_to_text
-from .tensors import fmt_bytes, is_plain_tensor
+from .tensors import fmt_bytes, is_plain_tensor, max_abs_diff
 from .trace import MEASURED, TRACED, TraceResult, trace_units
 from .units import Unit, find_units, split_unit
 
@@ -369,7 +369,7 @@ class Engine:
             try:
                 out, stats, meas, source = self._guard(lambda f, a, k: self._first_forward(sig, f, a, k),
                                                        fn, args, kwargs)
-                self.measurements[sig] = meas
+                meas = self.measurements[sig] = _grown(self.measurements.get(sig), meas)
                 plan = self._measured_plan(meas, source)
             except BudgetError as e:
                 self._failed[sig] = e  # the same input will not fit next time either
@@ -383,6 +383,15 @@ class Engine:
             return out
         out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
         self._record(plan, sig, stats)
+        if stats.peak_device_bytes > self.config.budget_bytes and sig not in self._replanned:
+            # the host or the input behaved differently from the measured forward: measure the
+            # next forward again and plan from the larger figures, once (a plan must stay stable)
+            self._replanned.add(sig)
+            del self._plans[sig]
+            self.traces.pop(sig, None)  # the dry run runs the host's code again too
+            log.warning("VRAMCut: a forward (%s) peaked at %s, above the budget %s; the next one measures "
+                        "again and plans once more", describe_signature(sig), fmt_bytes(stats.peak_device_bytes),
+                        fmt_bytes(self.config.budget_bytes))
         return out
 
     def _guard(self, run: Callable, fn: Callable, args: tuple, kwargs: dict):
@@ -409,7 +418,7 @@ class Engine:
         res = {"signature": describe_signature(sig), "max_abs_diff": None, "equal": None, "error": None}
         try:
             ref = fn(*args, **kwargs)
-            res["max_abs_diff"], res["equal"] = _max_abs_diff(out, ref)
+            res["max_abs_diff"], res["equal"] = max_abs_diff(out, ref)
         except Exception as e:  # verification must never break the run it checks
             res["error"] = f"{type(e).__name__}: {e}"
         self.verify_results.append(res)
@@ -448,6 +457,15 @@ class Engine:
         }
 
 
+def _grown(old: dict[str, UnitMeasurement] | None, new: dict[str, UnitMeasurement]) -> dict[str, UnitMeasurement]:
+    """A re-measured signature keeps the larger figure of each unit (the peak that sent it back)."""
+    for n, m in (old or {}).items():
+        if n in new:
+            new[n] = UnitMeasurement(max(m.entry_bytes, new[n].entry_bytes), max(m.peak_bytes, new[n].peak_bytes),
+                                     max(m.calls, new[n].calls), m.modules | new[n].modules)
+    return new
+
+
 def _subtree(u: Unit) -> list[nn.Module]:
     """Every module of a unit (its roots' submodules and the owners of its tensors)."""
     mods = list(u.hook_modules)
@@ -461,27 +479,6 @@ def _segment_of(plan: Plan, unit: str) -> str | None:
         if any(plan.units[i].name == unit for i in seg.units):
             return plan.segment_name(seg)
     return None
-
-
-def _max_abs_diff(out, ref) -> tuple[float, bool]:
-    """Largest |out - ref| over the tensors of two outputs of the same structure."""
-    from torch.utils._pytree import tree_flatten
-
-    a, _ = tree_flatten(out)
-    b, _ = tree_flatten(ref)
-    ta = [x for x in a if isinstance(x, torch.Tensor)]
-    tb = [x for x in b if isinstance(x, torch.Tensor)]
-    if len(ta) != len(tb):
-        return float("inf"), False
-    worst, equal = 0.0, True
-    for x, y in zip(ta, tb):
-        if x.shape != y.shape:
-            return float("inf"), False
-        equal = equal and torch.equal(x, y.to(x.device))
-        if x.numel():
-            d = (x.double() - y.to(x.device).double()).abs().max().item()
-            worst = max(worst, d if d == d else float("inf"))
-    return worst, equal
 
 
 __all__ = ["Engine", "EngineConfig", "BudgetError"]

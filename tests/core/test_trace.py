@@ -299,3 +299,43 @@ def test_gib_text_rounds_up_at_the_widget_precision():
         assert gib_to_bytes(text) >= n, (n, text)
         if float(text) > 0.001:
             assert gib_to_bytes(f"{float(text) - 0.001:.3f}") < n, (n, text)
+
+
+class GrowingBlock(GeluMLP):
+    """Allocates a large scratch tensor once ``grow`` is set (a host that changes behaviour)."""
+
+    grow = False
+
+    def forward(self, x):
+        if self.grow:
+            scratch = torch.ones(64, 1024)  # 256 KiB live while the block runs
+            return super().forward(x) + (scratch[0, 0] - 1)  # + 0.0: the output is unchanged
+        return super().forward(x)
+
+
+def test_a_steady_forward_above_the_budget_replans_once(caplog):
+    model = seeded(nn.Sequential(*[GrowingBlock(32) for _ in range(4)]))
+    x = torch.randn(8, 32, generator=_g())
+    with torch.no_grad():
+        ref = model(x)
+        GrowingBlock.grow = True  # the smallest budget for the grown forward
+        try:
+            with pytest.raises(BudgetError) as e:
+                Engine(model, EngineConfig(budget_bytes=1024, device="cpu")).run(model, x)
+        finally:
+            GrowingBlock.grow = False
+        budget = e.value.min_budget_bytes
+        eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", track_cpu_memory=True))
+        with eng.session(), caplog.at_level(logging.WARNING, logger="vramcut"):
+            assert torch.equal(eng.run(model, x), ref)
+            first = eng.last_plan
+            GrowingBlock.grow = True
+            try:
+                for _ in range(3):
+                    assert torch.equal(eng.run(model, x), ref)
+            finally:
+                GrowingBlock.grow = False
+    warned = [r.getMessage() for r in caplog.records if "above the budget" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert eng.last_plan is not first and first.resident_bytes > eng.last_plan.resident_bytes
+    assert eng.last_plan.activation_reserve_bytes >= first.activation_reserve_bytes + (256 << 10)
