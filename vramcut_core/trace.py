@@ -76,6 +76,7 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
                 for r in ut.refs:
                     swapped.append((r, r.get()))
                     r.set(fake)
+        _keep_fakes_in_place(module)
         tracker = _UnitTracker(dev)
         flat, _ = tree_flatten((fake_args, fake_kwargs))
         inputs = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type == dev.type]
@@ -153,6 +154,26 @@ def _fake_weight(mode, t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     (stand_in,) = fakes
     stand_in.__dict__.update(t.__dict__)
     return stand_in
+
+
+def _keep_fakes_in_place(module: nn.Module) -> None:
+    """Let a forward move a module to where its weights already are (HunyuanVideo 1.5 calls
+    ``self.cond_type_embedding.to(txt.device)``): on real weights that is a no-op, but
+    ``Module._apply`` swaps a fake parameter for its converted self even when nothing changes, and
+    the swap fails on the weak references the fake mode keeps. Each module gets an instance-level
+    ``_apply`` that leaves its tensors alone when the conversion returns every one of them as it
+    is, and converts as usual otherwise; ``_ModuleState.restore`` removes it with the run."""
+    for m in module.modules():
+        def _apply(fn, recurse=True, _m=m, _orig=m._apply):
+            if recurse:
+                for c in _m.children():
+                    c._apply(fn)
+            own = [t for t in (*_m._parameters.values(), *_m._buffers.values()) if t is not None]
+            with torch.no_grad():
+                if all(fn(t) is t for t in own):
+                    return _m
+            return _orig(fn, recurse=False)
+        m._apply = _apply
 
 
 class _Call(nn.Module):
