@@ -86,6 +86,22 @@ class LoopedDecoder(nn.Module):
         return torch.stack(frames, 1)
 
 
+class SelfMovingStack(AttnStack):
+    """Moves a submodule to the input's device inside its forward, as HunyuanVideo 1.5 does with
+    ``self.cond_type_embedding.to(txt.device)``: a no-op where the weights already are."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__(d)
+        self.cond = nn.Embedding(3, d)
+
+    def forward(self, x):
+        self.cond.to(x.device)
+        h = self.embed(x) + self.cond(torch.zeros_like(x[..., 0], dtype=torch.long))
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
 def _g(seed=0):
     return torch.Generator().manual_seed(seed)
 
@@ -98,6 +114,7 @@ CASES = {
     "tied": lambda: (seeded(TiedStack()), None, (torch.randint(0, 50, (2, 12), generator=_g()),)),
     "buffers": lambda: (seeded(BufferedStack()), None, (torch.randn(6, 8, generator=_g()),)),
     "fp8": lambda: (seeded(MixedDtypeStack()), None, (torch.randn(4, 32, generator=_g()),)),
+    "moves_itself": lambda: (seeded(SelfMovingStack()), None, (torch.randn(4, 48, 8, generator=_g()),)),
     "looped": lambda: (seeded(LoopedDecoder()), "decode", (torch.randn(2, 3, 16, generator=_g()),)),
 }
 
@@ -153,6 +170,19 @@ def test_a_looped_unit_is_counted_once_per_pass_and_its_side_effects_are_undone(
     assert tr.source == TRACED
     assert all(tr.measurements[f"decoder.{i}"].calls == 3 for i in range(4))
     assert not hasattr(model, "last"), "an attribute set by the fake forward is removed"
+
+
+def test_a_forward_that_moves_a_module_where_it_is_traces_and_leaves_no_trace():
+    model, fn, args = _case("moves_itself")
+    eng = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cpu"))
+    snap = snapshot(model)
+    with torch.inference_mode():  # as ComfyUI samples (the conversion fails on fakes there)
+        tr = trace_units(model, eng.unitset.units, fn, args)
+    assert tr.source == TRACED, tr.reason
+    assert_unchanged(model, snap)
+    assert not any("_apply" in vars(m) for m in model.modules()), "the in-place conversion is removed"
+    model.cond.to(torch.float64)  # and the model converts as usual after the dry run
+    assert model.cond.weight.dtype == torch.float64
 
 
 def test_the_model_is_unchanged_when_the_forward_raises():
