@@ -87,3 +87,16 @@ def trace_text(engine) -> str:
     lo, hi, _ = peak_ratios(rows)
     over = max(t - m for _, t, m in rows)
     return f"{lo:.3f}–{hi:.3f}" + (f" (+{over} B at most)" if over else " (equal)")
+
+
+def assert_trace_bound(engine, label: str, untraced: bool) -> None:
+    """The engine's dry run against its measured first forward, every unit within ``trace_bound``;
+    or, where ``untraced`` (a forward listed as one the dry run cannot run), that it still cannot."""
+    rows, why = traced_vs_measured(engine)
+    if untraced:
+        assert why is not None, f"{label} traces now: take it out of the untraced list"
+        return
+    assert why is None, f"{label} could not be traced: {why}"
+    assert rows
+    for unit, traced, measured in rows:
+        assert trace_bound(traced, measured), (label, unit, traced, measured)

@@ -44,7 +44,7 @@ for _p in (os.path.dirname(os.path.dirname(_here)), os.path.dirname(_here), _her
         sys.path.append(_p)
 
 import tiny_models as tm  # noqa: E402
-from unit_checks import assert_partition, trace_bound, trace_text, traced_vs_measured  # noqa: E402
+from unit_checks import assert_partition, assert_trace_bound, trace_text  # noqa: E402
 
 try:
     tm.import_comfy()
@@ -219,20 +219,7 @@ def test_llm_encoder_units_and_parity(pack, name):
         assert any(u.name.startswith("visual.blocks.") for u in us.units)
     assert_partition(m, us)
     tokens = torch.randint(2, 256, (1, 8), generator=torch.Generator().manual_seed(1))
-    check_trace(name, "text", check_streamed(core, m, m, tokens))
-
-
-def check_trace(name: str, path: str, probe) -> None:
-    """The dry run of the probe engine's forward against its CPU meter, unit by unit (the run
-    ``check_streamed`` made: nothing runs again)."""
-    rows, why = traced_vs_measured(probe)
-    if (name, path) in UNTRACED:
-        assert why is not None, f"{name} ({path}) traces now: take it out of UNTRACED"
-        return
-    assert why is None, f"{name} ({path}) could not be traced: {why}"
-    assert rows
-    for unit, traced, measured in rows:
-        assert trace_bound(traced, measured), (unit, traced, measured)
+    assert_trace_bound(check_streamed(core, m, m, tokens), f"{name} (text)", (name, "text") in UNTRACED)
 
 
 def check_streamed(core, m, fn, *args):
@@ -271,7 +258,7 @@ def test_llm_encoder_vision_tower_parity(pack, name):
         return m.preprocess_embed({"type": "image", "data": image}, "cpu")[0]
 
     probe = check_streamed(core, m, encode_image, img)
-    check_trace(name, "image", probe)
+    assert_trace_bound(probe, f"{name} (image)", (name, "image") in UNTRACED)
     entered = set(probe.measurements[probe.last_signature])
     assert any(n.startswith(vision_tower(m) + ".") for n in entered), entered
 

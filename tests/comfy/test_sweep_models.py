@@ -39,7 +39,7 @@ for _p in (os.path.dirname(os.path.dirname(_here)), os.path.dirname(_here), _her
         sys.path.append(_p)
 
 import tiny_models as tm  # noqa: E402
-from unit_checks import assert_partition, trace_bound, trace_text, traced_vs_measured  # noqa: E402
+from unit_checks import assert_partition, assert_trace_bound, trace_text  # noqa: E402
 
 try:
     tm.import_comfy()
@@ -449,14 +449,7 @@ def test_sweep_units_and_parity(pack, e):
 def test_sweep_trace_matches_measured(pack, e):
     """The dry run's per-unit activation peaks against the CPU meter's of the first real forward
     (the run the parity test made: no forward of its own when run after it)."""
-    rows, why = traced_vs_measured(streamed_run(pack.vramcut_core, e).probe_engine)
-    if _qual(e.dcls) in UNTRACED:
-        assert why is not None, f"{e.name} traces now: take it out of UNTRACED"
-        return
-    assert why is None, f"{e.name} could not be traced: {why}"
-    assert rows
-    for unit, traced, measured in rows:
-        assert trace_bound(traced, measured), (unit, traced, measured)
+    assert_trace_bound(streamed_run(pack.vramcut_core, e).probe_engine, e.name, _qual(e.dcls) in UNTRACED)
 
 
 def run_streamed(core, module, call) -> "tf.EngineRun":
