@@ -32,6 +32,20 @@ Units are counted on the small build (the real model has more blocks of the same
 
 Wan 2.2 14B's two experts are two diffusion models in ComfyUI (two loaders, two samplers with
 step ranges): each is a `WanModel` with its own Max VRAM engine and plan.
+
+The last column holds the dry run against the meter on the same forward: for every unit, the
+activation peak traced on fake tensors (`vramcut_core/trace.py`, the figures a first forward is
+planned from) divided by the peak the CPU meter measured in the engine's first real forward (the
+figures the plan keeps), smallest and largest over the units, and the most bytes traced above
+measured. The sweep tests hold every unit to the bound `measured <= traced <= measured + max(1 %,
+1 KiB)` (`tests/unit_checks.py: trace_bound`): never below, because both count every storage an
+operator creates; above only by tensors built from Python data (`torch.tensor(...)`, created
+without an operator, so the CPU meter cannot see them; the CUDA allocator does). "measured (why)"
+marks a forward the dry run cannot run: the engine measures its first forward instead.
+
+What the released checkpoints of the large 2026 models need at their usual resolutions
+(activations per block, the smallest budget), dry-run at full size without weights, is in
+[full_size.md](full_size.md).
 """
 
 

@@ -1,21 +1,25 @@
 """The engine: one module under one budget.
 
-``Engine.run(fn, *args, **kwargs)`` runs a forward of the module segmented. The first forward
-for an input signature is the measured one: every unit streams through one slot while the
-activation meter records each unit's live bytes; from that, the merged plan for the signature is
-built and cached. Later forwards with the same signature reuse it, so a sampling run plans once;
-a new resolution or batch plans again. On CUDA, shapes that alternate while the executor holds
+``Engine.run(fn, *args, **kwargs)`` runs a forward of the module segmented. Before the first
+forward for an input signature, a dry run on fake tensors (``trace``) gives each unit's
+activation bytes; the merged plan is built from them, so a budget too small for the shape is
+refused at once, before any weight is copied, with the smallest budget that works. The first real
+forward runs that plan and measures: its figures are the authority, and the plan cached for the
+signature is rebuilt from them. Later forwards with the same signature reuse it, so a sampling run
+plans once; a new resolution or batch plans again.
+
+On CUDA, shapes that alternate while the executor holds
 its buffers (CFG's cond and uncond, two batch sizes) and whose plans would lay the buffers out
 differently share one plan, made from the most each unit needed in any of them: a steady step of
 any mix of them then reshapes nothing (no buffer freed or allocated, no host sync, no
 ``empty_cache``, no fragmentation of the allocator's cache).
 
-The one rule: the measured forward stays within the budget too. It starts with the units cut
-only as far as the budget needs for weights alone (cutting adds resident parts, so it is not done
-for nothing); the executor stops it the moment weights plus live activations would pass the
-budget, and the engine then cuts every unit of the slot's size finer and measures again, for as
-long as that lowers the weights it holds. When it cannot, a ``BudgetError`` names what does not
-fit and the smallest budget that works.
+The one rule: the first forward stays within the budget too. Where the dry run cannot run (or its
+plan is passed), the first forward is the measured one of old: every unit streams through one
+slot, cut only as far as the budget needs for weights alone; the executor stops it the moment
+weights plus live activations would pass the budget, and the engine cuts every unit of the
+slot's size finer and measures again, for as long as that lowers the weights it holds. When it
+cannot, a ``BudgetError`` names what does not fit and a lower bound of the budget that works.
 
 With ``VRAMCUT_VERIFY=1`` in the environment (or ``EngineConfig(verify=True)``) the first forward
 of each new shape is run a second time unpatched on the same inputs and the largest absolute
@@ -35,9 +39,10 @@ from torch import nn
 from . import quant
 from .executor import SegmentedExecutor
 from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .plan import BudgetError, Plan, PlanOptions, PlanUnit, budget_error, gib_text, make_plan, measuring_plan
+from .plan import STOPPED, BudgetError, Plan, PlanOptions, PlanUnit, budget_error, make_plan, measuring_plan
 from .report import RunStats, plan_to_json, plan_to_text
-from .tensors import fmt_bytes, is_plain_tensor
+from .tensors import fmt_bytes, is_plain_tensor, max_abs_diff
+from .trace import MEASURED, TRACED, TraceResult, trace_units
 from .units import Unit, find_units, split_unit
 
 log = logging.getLogger("vramcut")
@@ -85,6 +90,8 @@ class Engine:
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
         self._failed: dict[tuple, BudgetError] = {}
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
+        self.traces: dict[tuple, TraceResult] = {}  # the dry run's profile per input signature
+        self._replanned: set[tuple] = set()  # signatures a steady forward's peak sent back to measuring
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
         self.stats = RunStats()
@@ -136,6 +143,7 @@ class Engine:
             self._joined.clear()
             self._failed.clear()
             self.measurements.clear()
+            self.traces.clear()
 
     def _split(self, name: str, meas: dict[str, UnitMeasurement] | None) -> list[PlanUnit] | None:
         parts = split_unit(self._all[name])
@@ -188,7 +196,8 @@ class Engine:
             units.append(u)
         pinned = sum(u.weight_bytes for u in units if u.pinned)
         if pinned > budget:
-            raise budget_error(units, None, budget, "it must stay resident")
+            raise budget_error("pinned units", budget, kind="weights", weight_bytes=pinned, activation_bytes=None,
+                               min_budget_bytes=pinned, exact=False, detail="it must stay resident")
         slot = max((u.weight_bytes for u in units if not u.pinned and u.weight_bytes <= budget - pinned),
                    default=0)
         return measuring_plan(units, budget, slot, split, self.unitset.warnings)
@@ -227,40 +236,53 @@ class Engine:
                                                          limit_bytes=budget, **kwargs)
                 return out, stats, self._aggregate(meas)
             except OverBudget as e:
-                if e.kind == "weights":
-                    raise self._weights_error(base, e) from None
                 held = base.resident_bytes + base.window_bytes
                 hopeless = base.resident_bytes + e.activation_bytes > budget  # no slot would help
-                if base.slot_bytes == 0 or hopeless or (last is not None and held >= last):
-                    raise self._activations_error(base, e) from None
+                if (e.kind == "weights" or base.slot_bytes == 0 or hopeless
+                        or (last is not None and held >= last)):
+                    raise self._stopped_error(base, e) from None
                 log.info("VRAMCut: measuring forward stopped before passing the budget in '%s' "
                          "(%s weights + %s activations); cutting the slot finer", e.unit,
                          fmt_bytes(e.weight_bytes), fmt_bytes(e.activation_bytes))
                 last, cap = held, base.slot_bytes - 1  # cut every unit of the slot's size
 
-    def _weights_error(self, base: Plan, e: OverBudget) -> BudgetError:
-        budget = self.config.budget_bytes
-        w = self.executor.unit_device_bytes(e.unit)
-        need = base.resident_bytes + w + e.activation_bytes
-        msg = (f"VRAM budget {fmt_bytes(budget)} is too small: unit '{e.unit}' needs {fmt_bytes(w)} of "
-               f"weights on the device, and this forward runs it (cannot be cut finer); the smallest "
-               f"max_vram_gb that works for this shape is at least {gib_text(need)}")
-        err = BudgetError(e.unit, need, budget, kind="weights", message=msg)
-        err.min_budget_bytes = need  # a lower bound: the forward stopped at this unit
-        return err
+    def _stopped_error(self, base: Plan, e: OverBudget) -> BudgetError:
+        """A measuring forward stopped: what it saw is a lower bound of the budget that works (the
+        units after the one it stopped in were never run)."""
+        held = base.resident_bytes + (self.executor.unit_device_bytes(e.unit) if e.kind == "weights"
+                                      else base.window_bytes)
+        detail = ("this forward runs it and it cannot be cut finer" if e.kind == "weights" else
+                  "cut as fine as they go; the forward was stopped there")
+        return budget_error(e.unit or "?", self.config.budget_bytes, kind=e.kind, weight_bytes=held,
+                            activation_bytes=e.activation_bytes, min_budget_bytes=held + e.activation_bytes,
+                            exact=False, detail=detail, bound=STOPPED)
 
-    def _activations_error(self, base: Plan, e: OverBudget) -> BudgetError:
-        budget = self.config.budget_bytes
-        w = base.resident_bytes + base.window_bytes
-        msg = (f"VRAM budget {fmt_bytes(budget)} is too small for this input shape: its activations "
-               f"passed {fmt_bytes(e.activation_bytes)} in unit '{e.unit}' beside {fmt_bytes(w)} of weights "
-               f"(cut as fine as they go), and the forward was stopped there")
-        msg += f"; the smallest max_vram_gb that works for this shape is at least {gib_text(w + e.activation_bytes)}"
-        err = BudgetError(e.unit or "?", w + e.activation_bytes, budget, kind="activations", message=msg)
-        err.min_budget_bytes = w + e.activation_bytes  # a lower bound: the forward did not finish
-        return err
+    def _first_forward(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
+        """The first forward of a signature: (output, stats, measurements by whole unit, source).
+        Planned from the dry run when it ran (a budget too small is refused here, nothing copied);
+        the real forward measures under that plan and stops before passing the budget, and if it
+        does (the dry run saw less than the real forward allocates) it is measured the old way."""
+        tr = self.traces.get(sig)
+        if tr is None:
+            self.executor.restore_weights()  # the dry run swaps the registries the held copies use
+            tr = self.traces[sig] = trace_units(self.module, self.unitset.units, fn, args, kwargs)
+            if tr.reason is not None:
+                log.warning("VRAMCut: the dry run could not run (%s); the first forward measures the "
+                            "activations instead (a budget too small is found only as it runs)", tr.reason)
+        if tr.measurements is not None:
+            plan = self._measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
+            try:
+                out, stats, meas = self.executor.forward(plan, fn, *args, measure=True,
+                                                         limit_bytes=self.config.budget_bytes, **kwargs)
+                return out, stats, self._aggregate(meas), TRACED
+            except OverBudget as e:
+                log.warning("VRAMCut: the first forward passed the traced plan in '%s' (%s weights + %s "
+                            "activations); measuring it again", e.unit, fmt_bytes(e.weight_bytes),
+                            fmt_bytes(e.activation_bytes))
+        out, stats, meas = self._measure(fn, args, kwargs)
+        return out, stats, meas, MEASURED if tr.measurements is None else TRACED
 
-    def _measured_plan(self, meas: dict[str, UnitMeasurement]) -> Plan:
+    def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str) -> Plan:
         names = [u.name for u in self.unitset.units]
         entered = [n for n in meas if n in self._all]
         order = entered + [n for n in names if n not in meas]
@@ -271,8 +293,8 @@ class Engine:
             # re-send streamed weights on every pass: keep the looped units resident if they fit.
             units = [self._plan_unit(self._all[n], meas, pin=n in looped) for n in order]
             try:
-                return make_plan(units, self.config.budget_bytes, self.config.options, split,
-                                 self.unitset.warnings)
+                return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.config.options,
+                                                     split, self.unitset.warnings), source=source)
             except BudgetError:
                 pass
         units = [self._plan_unit(self._all[n], meas) for n in order]
@@ -281,7 +303,8 @@ class Engine:
             worst = max(meas[n].calls for n in looped)
             notes.append(f"the forward enters {len(looped)} units up to {worst} times; what streams is "
                          f"copied on every pass (a larger budget keeps them resident)")
-        return make_plan(units, self.config.budget_bytes, self.config.options, split, notes)
+        return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.config.options, split, notes),
+                                   source=source)
 
     def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> Plan | None:
         return self._plans.get(signature(args, kwargs or {}))
@@ -353,9 +376,10 @@ class Engine:
         plan = self._plans.get(sig)
         if plan is None:
             try:
-                out, stats, meas = self._guard(self._measure, fn, args, kwargs)
-                self.measurements[sig] = meas
-                plan = self._measured_plan(meas)
+                out, stats, meas, source = self._guard(lambda f, a, k: self._first_forward(sig, f, a, k),
+                                                       fn, args, kwargs)
+                meas = self.measurements[sig] = _grown(self.measurements.get(sig), meas)
+                plan = self._measured_plan(meas, source)
             except BudgetError as e:
                 self._failed[sig] = e  # the same input will not fit next time either
                 raise
@@ -369,6 +393,15 @@ class Engine:
         plan = self._steady(sig, plan)
         out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
         self._record(plan, sig, stats)
+        if stats.peak_device_bytes > self.config.budget_bytes and sig not in self._replanned:
+            # the host or the input behaved differently from the measured forward: measure the
+            # next forward again and plan from the larger figures, once (a plan must stay stable)
+            self._replanned.add(sig)
+            del self._plans[sig]
+            self.traces.pop(sig, None)  # the dry run runs the host's code again too
+            log.warning("VRAMCut: a forward (%s) peaked at %s, above the budget %s; the next one measures "
+                        "again and plans once more", describe_signature(sig), fmt_bytes(stats.peak_device_bytes),
+                        fmt_bytes(self.config.budget_bytes))
         return out
 
     def _steady(self, sig: tuple, plan: Plan) -> Plan:
@@ -417,7 +450,7 @@ class Engine:
         res = {"signature": describe_signature(sig), "max_abs_diff": None, "equal": None, "error": None}
         try:
             ref = fn(*args, **kwargs)
-            res["max_abs_diff"], res["equal"] = _max_abs_diff(out, ref)
+            res["max_abs_diff"], res["equal"] = max_abs_diff(out, ref)
         except Exception as e:  # verification must never break the run it checks
             res["error"] = f"{type(e).__name__}: {e}"
         self.verify_results.append(res)
@@ -443,6 +476,8 @@ class Engine:
             "family": self.unitset.family,
             "label": self.unitset.label,
             "stage": "measured" if plan.measured else "weights",
+            "source": plan.source,
+            "trace_reason": (self.traces[sig].reason if sig in self.traces else None) if sig else None,
             "signature": describe_signature(sig) if sig else None,
             "warnings": list(plan.warnings),
             "text": plan_to_text(plan, stats=self.stats if plan.measured else None) + "".join(
@@ -459,6 +494,15 @@ def _buffers(plan: Plan) -> tuple:
     return frozenset(plan.resident_units), plan.slots, plan.slot_bytes
 
 
+def _grown(old: dict[str, UnitMeasurement] | None, new: dict[str, UnitMeasurement]) -> dict[str, UnitMeasurement]:
+    """A re-measured signature keeps the larger figure of each unit (the peak that sent it back)."""
+    for n, m in (old or {}).items():
+        if n in new:
+            new[n] = UnitMeasurement(max(m.entry_bytes, new[n].entry_bytes), max(m.peak_bytes, new[n].peak_bytes),
+                                     max(m.calls, new[n].calls), m.modules | new[n].modules)
+    return new
+
+
 def _subtree(u: Unit) -> list[nn.Module]:
     """Every module of a unit (its roots' submodules and the owners of its tensors)."""
     mods = list(u.hook_modules)
@@ -472,27 +516,6 @@ def _segment_of(plan: Plan, unit: str) -> str | None:
         if any(plan.units[i].name == unit for i in seg.units):
             return plan.segment_name(seg)
     return None
-
-
-def _max_abs_diff(out, ref) -> tuple[float, bool]:
-    """Largest |out - ref| over the tensors of two outputs of the same structure."""
-    from torch.utils._pytree import tree_flatten
-
-    a, _ = tree_flatten(out)
-    b, _ = tree_flatten(ref)
-    ta = [x for x in a if isinstance(x, torch.Tensor)]
-    tb = [x for x in b if isinstance(x, torch.Tensor)]
-    if len(ta) != len(tb):
-        return float("inf"), False
-    worst, equal = 0.0, True
-    for x, y in zip(ta, tb):
-        if x.shape != y.shape:
-            return float("inf"), False
-        equal = equal and torch.equal(x, y.to(x.device))
-        if x.numel():
-            d = (x.double() - y.to(x.device).double()).abs().max().item()
-            worst = max(worst, d if d == d else float("inf"))
-    return worst, equal
 
 
 __all__ = ["Engine", "EngineConfig", "BudgetError"]

@@ -3,7 +3,9 @@
 Pure data and free functions (no torch): ``PlanUnit`` rows in execution order go in, a ``Plan``
 comes out. The pipeline is: base plan (one segment per unit) -> choose residency under the budget
 -> merge the resident runs into segments. ``make_plan`` adds the finer cut (a unit too large for
-the budget is split into its children and planning starts again).
+the budget is split into its children and planning starts again); ``min_budget`` is the smallest
+budget for which it returns a plan, the number a ``BudgetError`` offers (``budget_error`` writes
+every such message).
 
 The peak a plan promises is::
 
@@ -41,6 +43,11 @@ from typing import Callable, Sequence
 WINDOW_SHARE = 1 / 4   # a slot grows to this share of the spare room (more units per transfer)
 SMALL_SHARE = 1 / 64   # a unit this small against the spare room is kept resident first when that
                        # removes a transfer
+GIB_ROUND = 0.001      # the max_vram_gb widget's precision ("round" in nodes/max_vram.py)
+
+# Why a minimum budget is only a lower bound (the message says so in these words).
+WEIGHTS_ALONE = "weights alone: the activations of the input come on top"
+STOPPED = "the forward could not be traced, and the measuring forward stopped before it saw every unit"
 
 
 class BudgetError(ValueError):
@@ -48,21 +55,36 @@ class BudgetError(ValueError):
 
     ``kind`` says what does not fit: "weights" (a unit that cannot be cut finer, or what must stay
     resident) or "activations" (the live activation bytes of this input shape);
-    ``min_budget_bytes`` is the smallest budget that works for this shape, where known."""
+    ``min_budget_bytes`` is the smallest budget that works for this shape when ``exact``, a lower
+    bound when not (a measuring forward stopped before it saw every unit). Build one with
+    ``budget_error``, the one place its text is written."""
 
     def __init__(self, unit: str, need_bytes: int, budget_bytes: int, detail: str = "", *,
-                 kind: str = "weights", min_budget_bytes: int | None = None,
-                 message: str | None = None) -> None:
+                 kind: str = "weights", min_budget_bytes: int | None = None, exact: bool = False,
+                 message: str | None = None, bound: str = WEIGHTS_ALONE) -> None:
         from .tensors import fmt_bytes
 
         self.unit, self.need_bytes, self.budget_bytes = unit, need_bytes, budget_bytes
-        self.kind, self.min_budget_bytes = kind, min_budget_bytes
+        self.kind, self.min_budget_bytes, self.exact = kind, min_budget_bytes, exact
         msg = message or (f"VRAM budget {fmt_bytes(budget_bytes)} is too small: unit '{unit}' needs "
                           f"{fmt_bytes(need_bytes)} on the device")
         msg += f" ({detail})" if detail else ""
         if min_budget_bytes is not None:
-            msg += f"; the smallest max_vram_gb that works for this shape is about {gib_text(min_budget_bytes)}"
+            msg += "; " + min_budget_text(min_budget_bytes, exact, bound)
         super().__init__(msg)
+
+    @property
+    def min_budget_gb(self) -> str | None:
+        """The ``max_vram_gb`` to set, as the message writes it."""
+        return None if self.min_budget_bytes is None else gib_text(self.min_budget_bytes)
+
+
+def min_budget_text(n: int, exact: bool, bound: str = WEIGHTS_ALONE) -> str:
+    """The budget to set: "the smallest ... is X" only when X is known to work; else "at least X"
+    and why that is a lower bound."""
+    if exact:
+        return f"the smallest max_vram_gb that works for this shape is {gib_text(n)}"
+    return f"max_vram_gb must be at least {gib_text(n)} ({bound})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +129,9 @@ class Plan:
     measured: bool
     split: tuple[str, ...] = ()       # units that were cut finer to fit
     warnings: tuple[str, ...] = ()
+    # where the activation figures came from before the first forward: "traced" (a dry run on
+    # fake tensors) or "measured" (a real forward measured them; the dry run could not run)
+    source: str | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -175,24 +200,41 @@ def _tightest(units: Sequence[PlanUnit]) -> tuple[int, int, int]:
     return pinned, slot, activation_reserve(units)
 
 
-def budget_error(units: Sequence[PlanUnit], index: int | None, budget: int, detail: str = "") -> BudgetError:
-    """The error for ``units`` (cut as fine as they go) not fitting ``budget``: names what does not
-    fit (activations or weights) and the smallest budget that works for this shape."""
+def budget_error(unit: str, budget: int, *, kind: str, weight_bytes: int, activation_bytes: int | None,
+                 min_budget_bytes: int | None, exact: bool, detail: str = "", bound: str = WEIGHTS_ALONE
+                 ) -> BudgetError:
+    """The one place a budget error's text is built. ``weight_bytes`` are the weights that must be
+    on the device beside ``activation_bytes`` (None: not known); ``min_budget_bytes`` is exact, or a
+    lower bound (``exact`` False) for the reason ``bound`` (``WEIGHTS_ALONE``, ``STOPPED``)."""
     from .tensors import fmt_bytes
 
+    act = activation_bytes or 0
+    if kind == "activations":
+        msg = (f"VRAM budget {fmt_bytes(budget)} is too small for this input shape: its activations need "
+               f"{fmt_bytes(act)} (unit '{unit}'), beside {fmt_bytes(weight_bytes)} of weights")
+    else:
+        msg = (f"VRAM budget {fmt_bytes(budget)} is too small: unit '{unit}' needs "
+               f"{fmt_bytes(weight_bytes)} of weights on the device"
+               + (f", {fmt_bytes(weight_bytes + act)} with the activations" if activation_bytes is not None else ""))
+    return BudgetError(unit, weight_bytes + act, budget, detail, kind=kind,
+                       min_budget_bytes=min_budget_bytes, exact=exact, message=msg, bound=bound)
+
+
+def _plan_error(units: Sequence[PlanUnit], index: int | None, budget: int, detail: str,
+                min_budget_bytes: int | None) -> BudgetError:
+    """The error for ``units`` (cut as fine as they go) not fitting ``budget``: what does not fit
+    (activations or weights) and the smallest budget that works (exact when the activations are
+    known: it is what ``make_plan`` needs)."""
     pinned, slot, act = _tightest(units)
-    need = pinned + slot + act
     measured = all(u.peak_bytes is not None for u in units)
-    name = units[index].name if index is not None else "pinned units"
     if measured and act > pinned + slot:
         unit = max(units, key=lambda u: u.peak_bytes or 0).name
-        msg = (f"VRAM budget {fmt_bytes(budget)} is too small for this input shape: its activations need "
-               f"{fmt_bytes(act)} (unit '{unit}'), beside {fmt_bytes(pinned + slot)} of weights")
-        return BudgetError(unit, need, budget, kind="activations", min_budget_bytes=need, message=msg)
-    msg = (f"VRAM budget {fmt_bytes(budget)} is too small: unit '{name}' needs "
-           f"{fmt_bytes(units[index].weight_bytes if index is not None else pinned)} of weights on the device"
-           + (f", {fmt_bytes(need)} with what must stay resident and the activations" if measured else ""))
-    return BudgetError(name, need, budget, detail, kind="weights", min_budget_bytes=need, message=msg)
+        return budget_error(unit, budget, kind="activations", weight_bytes=pinned + slot, activation_bytes=act,
+                            min_budget_bytes=min_budget_bytes, exact=measured)
+    name = units[index].name if index is not None else "pinned units"
+    w = units[index].weight_bytes if index is not None else pinned
+    return budget_error(name, budget, kind="weights", weight_bytes=w, activation_bytes=act if measured else None,
+                        min_budget_bytes=min_budget_bytes, exact=measured, detail=detail)
 
 
 def _priority(units: Sequence[PlanUnit]) -> list[int]:
@@ -366,9 +408,21 @@ def make_plan(units: list[PlanUnit], budget: int, options: PlanOptions = PlanOpt
               split_unit: Callable[[str], list[PlanUnit] | None] | None = None,
               warnings: Sequence[str] = ()) -> Plan:
     """``build_plan`` with the finer cut: while a unit cannot fit, replace it by its parts
-    (``split_unit(name)`` returns them, or None when it cannot be cut). Raises ``BudgetError``."""
+    (``split_unit(name)`` returns them, or None when it cannot be cut). Raises ``BudgetError``
+    with the smallest budget for which this call would return a plan (``min_budget``)."""
     if not (isinstance(budget, int) and budget > 0):
         raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+    plan = _plan_or_failure(units, budget, options, split_unit, warnings)
+    if isinstance(plan, Plan):
+        return plan
+    cut, index, detail = plan
+    raise _plan_error(cut, index, budget, detail, min_budget(units, options, split_unit)) from None
+
+
+def _plan_or_failure(units: Sequence[PlanUnit], budget: int, options: PlanOptions,
+                     split_unit: Callable[[str], list[PlanUnit] | None] | None, warnings: Sequence[str] = ()
+                     ) -> "Plan | tuple[list[PlanUnit], int | None, str]":
+    """The plan, or (units as finely cut as they went, the index that does not fit, why)."""
     split: list[str] = []
     units = list(units)
     while True:
@@ -382,17 +436,47 @@ def make_plan(units: list[PlanUnit], budget: int, options: PlanOptions = PlanOpt
                 detail = "cannot be cut finer"
                 if e.index is None or units[e.index].pinned:
                     detail = "it must stay resident"
-                raise budget_error(units, e.index, budget, detail) from None
+                return units, e.index, detail
             split.append(units[e.index].name)
             units[e.index:e.index + 1] = parts
 
 
+def min_budget(units: Sequence[PlanUnit], options: PlanOptions = PlanOptions(),
+               split_unit: Callable[[str], list[PlanUnit] | None] | None = None) -> int | None:
+    """The smallest budget in bytes for which ``make_plan(units, budget, options, split_unit)``
+    returns a plan, such that its ``max_vram_gb`` text (``gib_text``, rounded up at the widget's
+    precision) read back as bytes plans too. None when no budget works.
+
+    Found by bisection over bytes: a plan that fits a budget fits any larger one (the finer cut
+    splits the same units in the same order whatever the budget, and every need is a sum that
+    does not depend on it). The answer and its rounded text are checked by planning at them, so a
+    break of that order could only make the number larger, never one that fails."""
+    feasible = lambda b: isinstance(_plan_or_failure(units, b, options, split_unit), Plan)  # noqa: E731
+    hi = 2 * sum(u.weight_bytes for u in units) + activation_reserve(units) + 1
+    if not feasible(hi):
+        return None
+    lo = 0  # infeasible (budgets are positive)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    for _ in range(1000):  # the widget's value must plan too: step up one rounding unit at a time
+        if feasible(gib_to_bytes(gib_text(hi))):
+            return hi
+        hi = gib_to_bytes(gib_text(hi)) + 1
+    return None
+
+
 def gib_text(n: int) -> str:
-    """A byte count as GiB for a ``max_vram_gb`` input: rounded up, enough digits to matter."""
-    v = n / 1024**3
-    if v >= 0.01:
-        return f"{math.ceil(v * 1000) / 1000:.3f}"
-    return f"{v:.3g}"
+    """A byte count as a ``max_vram_gb`` value: rounded UP at the widget's precision, so that
+    entering it gives at least ``n`` bytes."""
+    text = lambda k: f"{k * GIB_ROUND:.3f}"  # noqa: E731
+    k = max(1, math.ceil(n / 1024**3 / GIB_ROUND - 1e-9))
+    while gib_to_bytes(text(k)) < n:  # the text read back, float rounding included
+        k += 1
+    return text(k)
 
 
 def gib_to_bytes(gib) -> int:

@@ -46,6 +46,7 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None) -> dict:
         "slots": plan.slots,
         "activation_reserve_bytes": plan.activation_reserve_bytes,
         "measured": plan.measured,
+        "source": plan.source,  # "traced" | "measured" (activations known before the first forward?), None
         "split": list(plan.split),
         "warnings": list(plan.warnings),
         "units": [
@@ -137,6 +138,10 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None) -> 
     out.append(f"budget {fmt_bytes(plan.budget_bytes)} · peak {fmt_bytes(plan.peak_bytes)} = resident "
                f"{fmt_bytes(plan.resident_bytes)} + window {plan.slots}×{fmt_bytes(plan.slot_bytes)} + "
                f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
+    if plan.source is not None:
+        out.append(f"activations {plan.source}: " + (
+            "a dry run on fake tensors gave them before the first forward, which measured them" if plan.source == "traced"
+            else "the dry run could not run: the first forward measured them"))
     t = plan.transfers_per_forward
     out.append(f"streamed per forward {fmt_bytes(plan.streamed_bytes_per_forward)} in {t} "
                f"transfer{'' if t == 1 else 's'} · "

@@ -63,3 +63,24 @@ def fmt_bytes(n: int | None) -> str:
     if abs(n) < 1024:
         return f"{n} B"
     return f"{n / 1024:.1f} KiB"
+
+
+def max_abs_diff(out, ref) -> tuple[float, bool]:
+    """Largest |out - ref| over the tensors of two outputs of the same structure."""
+    from torch.utils._pytree import tree_flatten
+
+    a, _ = tree_flatten(out)
+    b, _ = tree_flatten(ref)
+    ta = [x for x in a if isinstance(x, torch.Tensor)]
+    tb = [x for x in b if isinstance(x, torch.Tensor)]
+    if len(ta) != len(tb):
+        return float("inf"), False
+    worst, equal = 0.0, True
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape:
+            return float("inf"), False
+        equal = equal and torch.equal(x, y.to(x.device))
+        if x.numel():
+            d = (x.double() - y.to(x.device).double()).abs().max().item()
+            worst = max(worst, d if d == d else float("inf"))
+    return worst, equal

@@ -98,6 +98,7 @@ class EngineRun:
     engine: object
     budget: int
     total: int
+    probe_engine: object = None  # the engine of the unlimited-budget run (its dry run and measurements)
 
 
 def run_engine(core, module: torch.nn.Module, call: Callable[[], tuple[tuple, dict]]) -> EngineRun:
@@ -119,7 +120,7 @@ def run_engine(core, module: torch.nn.Module, call: Callable[[], tuple[tuple, di
         out = eng.run(module, *args, **kw)
         args, kw = call()
         again = eng.run(module, *args, **kw)
-    return EngineRun(ref, probe, out, again, eng, budget, us.weight_bytes)
+    return EngineRun(ref, probe, out, again, eng, budget, us.weight_bytes, probe_eng)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ the vision tower's blocks where there is one), every parameter and buffer in one
 forward through ``Engine`` under a streaming budget equal to the plain one bit for bit (text; and
 the image path where the encoder has a vision tower, as image-edit prompts use it).
 
+Each streamed run also holds the dry run's per-unit activation peaks (``trace``) against the CPU
+meter's of the same forward (``unit_checks.trace_bound``); a path the dry run cannot run is listed
+in :data:`UNTRACED` with the reason.
+
 A class that cannot be built small is listed in :data:`NOT_BUILT` with the reason; the
 completeness test fails when the host has a class in neither list.
 
@@ -40,7 +44,7 @@ for _p in (os.path.dirname(os.path.dirname(_here)), os.path.dirname(_here), _her
         sys.path.append(_p)
 
 import tiny_models as tm  # noqa: E402
-from unit_checks import assert_partition  # noqa: E402
+from unit_checks import assert_partition, assert_trace_bound, trace_text  # noqa: E402
 
 try:
     tm.import_comfy()
@@ -80,6 +84,14 @@ NOT_BUILT: dict[str, str] = {
     "gemma4.Gemma4_E4B": _GEMMA4,
     "gemma4.Gemma4_12B": _GEMMA4,
     "gemma4.Gemma4_31B": _GEMMA4,
+}
+
+
+# Forwards the dry run cannot run (the engine measures their first forward instead), by class and
+# path ("text", "image"), with the reason.
+UNTRACED: dict[tuple[str, str], str] = {
+    ("llama.Qwen25_7BVLI", "image"): "the vision tower sizes its windows from the patch grid's values "
+                                     "(.item(), .tolist(): shapes depend on the data)",
 }
 
 
@@ -207,7 +219,7 @@ def test_llm_encoder_units_and_parity(pack, name):
         assert any(u.name.startswith("visual.blocks.") for u in us.units)
     assert_partition(m, us)
     tokens = torch.randint(2, 256, (1, 8), generator=torch.Generator().manual_seed(1))
-    check_streamed(core, m, m, tokens)
+    assert_trace_bound(check_streamed(core, m, m, tokens), f"{name} (text)", (name, "text") in UNTRACED)
 
 
 def check_streamed(core, m, fn, *args):
@@ -246,6 +258,7 @@ def test_llm_encoder_vision_tower_parity(pack, name):
         return m.preprocess_embed({"type": "image", "data": image}, "cpu")[0]
 
     probe = check_streamed(core, m, encode_image, img)
+    assert_trace_bound(probe, f"{name} (image)", (name, "image") in UNTRACED)
     entered = set(probe.measurements[probe.last_signature])
     assert any(n.startswith(vision_tower(m) + ".") for n in entered), entered
 
@@ -315,24 +328,30 @@ def main() -> None:
     import vramcut_core as core
     host = os.path.basename(os.path.dirname(tm.comfyui_path())) or tm.comfyui_path()
     print(f"#### LLM text encoders, host {host}\n")
-    print("| class | cut by | units (small build) | parity |\n|---|---|---|---|")
+    print("| class | cut by | units (small build) | parity | traced / measured activation peak per unit "
+          "(min–max) |\n|---|---|---|---|---|")
     for name, cls in CLASSES.items():
         if name in NOT_BUILT:
-            print(f"| {name} | not swept | | {NOT_BUILT[name]} |")
+            print(f"| {name} | not swept | | {NOT_BUILT[name]} | |")
             continue
         m = built(name)
         us = core.find_units(m)
         lists = dict.fromkeys(u.name.rsplit(".", 1)[0] for u in us.units if u.kind == "block")
         units = f"{len(us.units)} ({sum(u.kind == 'block' for u in us.units)} blocks in " \
                 f"{', '.join(f'`{q}`' for q in lists)})"
+        trace = ""
         try:
             tokens = torch.randint(2, 256, (1, 8), generator=torch.Generator().manual_seed(1))
-            check_streamed(core, m, m, tokens)
+            trace = "text " + trace_text(check_streamed(core, m, m, tokens))
             parity = "bit-identical, streamed"
+            if name in _VISION:
+                img = torch.rand(1, 56, 56, 3, generator=torch.Generator().manual_seed(2))
+                encode = lambda image: m.preprocess_embed({"type": "image", "data": image}, "cpu")[0]  # noqa: E731
+                trace += "; image " + trace_text(check_streamed(core, m, encode, img))
         except AssertionError:
             parity = "DIFFERS"
         how = f"registry: {us.label}" if us.family != "generic" else "generic fallback"
-        print(f"| {name} | {how} | {units} | {parity} |")
+        print(f"| {name} | {how} | {units} | {parity} | {trace} |")
 
 
 if __name__ == "__main__":

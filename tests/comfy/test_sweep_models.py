@@ -9,7 +9,10 @@ keyword kept only where the host's constructor (or its parameter dataclass) take
 
 For every entry with a recipe: ``find_units`` gives the expected family (the generic fallback
 says so in a warning), every parameter and buffer is in exactly one unit, and the forward through
-``Engine`` under a budget that streams equals the plain forward bit for bit.
+``Engine`` under a budget that streams equals the plain forward bit for bit. The dry run's
+per-unit activation peaks (``trace``) are held against the CPU meter's of the same forward
+(``unit_checks.trace_bound``); a diffusion module the dry run cannot run is listed in
+:data:`UNTRACED` with the reason.
 
 An entry without a recipe is listed in :data:`NOT_SWEPT` with the reason. The completeness test
 fails when the host registers a class that is in neither (a new family cannot be missed), and
@@ -36,7 +39,7 @@ for _p in (os.path.dirname(os.path.dirname(_here)), os.path.dirname(_here), _her
         sys.path.append(_p)
 
 import tiny_models as tm  # noqa: E402
-from unit_checks import assert_partition  # noqa: E402
+from unit_checks import assert_partition, assert_trace_bound, trace_text  # noqa: E402
 
 try:
     tm.import_comfy()
@@ -346,6 +349,14 @@ NOT_SWEPT: dict[str, str] = {}
 _NO_RECIPE = "no small recipe yet (diffusion module {cls}): the registry/fallback still applies, parity untested"
 
 
+# Diffusion modules whose forward the dry run cannot run (the engine measures their first forward
+# instead), with the reason; the test fails when one of them traces or another one stops tracing.
+UNTRACED: dict[str, str] = {
+    "comfy.ldm.hidream.model.HiDreamImageTransformer2DModel":
+        "the MoE router picks each expert's tokens by value (aten.nonzero: shapes depend on the data)",
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # the sweep, computed once per host
 
@@ -434,6 +445,13 @@ def test_sweep_units_and_parity(pack, e):
     assert plan.streamed_bytes_per_forward > 0, "everything resident: the budget did not cut"
 
 
+@pytest.mark.parametrize("e", SWEPT, ids=[e.name for e in SWEPT])
+def test_sweep_trace_matches_measured(pack, e):
+    """The dry run's per-unit activation peaks against the CPU meter's of the first real forward
+    (the run the parity test made: no forward of its own when run after it)."""
+    assert_trace_bound(streamed_run(pack.vramcut_core, e).probe_engine, e.name, _qual(e.dcls) in UNTRACED)
+
+
 def run_streamed(core, module, call) -> "tf.EngineRun":
     """``test_families.run_engine`` with the budget held below the weights: where one unit is
     most of a tiny model (a fixed 1280-wide CLIP-vision projection beside 64-wide blocks), the
@@ -452,7 +470,7 @@ def run_streamed(core, module, call) -> "tf.EngineRun":
         out = eng.run(module, *args, **kw)
         args, kw = call()
         again = eng.run(module, *args, **kw)
-    return tf.EngineRun(ref, probe, out, again, eng, budget, us.weight_bytes)
+    return tf.EngineRun(ref, probe, out, again, eng, budget, us.weight_bytes, probe_eng)
 
 
 def _same(a, b) -> bool:
@@ -468,13 +486,13 @@ def _same(a, b) -> bool:
 
 
 def coverage_rows(core) -> list[tuple[str, ...]]:
-    """(registered class, diffusion module, how it is cut, units, parity) for every class of the
-    host's list; parity is run here, as the test runs it."""
+    """(registered class, diffusion module, how it is cut, units, parity, traced/measured
+    activation peaks) for every class of the host's list; parity is run here, as the test runs it."""
     rows = []
     for e in ENTRIES:
         dname = e.dcls.__name__ if e.dcls is not None else "?"
         if e.recipe is None:
-            rows.append((e.name, dname, "not swept", "", e.reason))
+            rows.append((e.name, dname, "not swept", "", e.reason, ""))
             continue
         m = built(e)
         us = core.find_units(m)
@@ -482,14 +500,16 @@ def coverage_rows(core) -> list[tuple[str, ...]]:
         blocks = [u.name for u in us.units if u.kind == "block"]
         lists = dict.fromkeys(b.rsplit(".", 1)[0] if b.rsplit(".", 1)[-1].isdigit() else b for b in blocks)
         units = f"{len(us.units)} ({len(blocks)} blocks in {', '.join(f'`{q}`' for q in lists)})"
+        trace = ""
         try:
             r = streamed_run(core, e)
             ok = all(_same(x, r.ref) for x in (r.probe, r.out, r.again))
             streamed = r.engine.last_plan.streamed_bytes_per_forward > 0
             parity = "bit-identical, streamed" if ok and streamed else ("bit-identical, not streamed" if ok else "DIFFERS")
+            trace = trace_text(r.probe_engine)
         except Exception as exc:  # the table reports it; the test fails on it
             parity = f"error: {type(exc).__name__}"
-        rows.append((e.name, dname, how, units, parity))
+        rows.append((e.name, dname, how, units, parity, trace))
     return rows
 
 
@@ -506,7 +526,8 @@ def main() -> None:
     print(f"{len(rows)} registered classes: {len(swept)} swept ({reg} cut by the registry, "
           f"{len(swept) - reg} by the generic fallback), {len(rows) - len(swept)} not swept. "
           f"Small builds on CPU; {time.perf_counter() - t0:.0f} s for the table.\n")
-    print("| class | diffusion module | cut by | units (small build) | parity |\n|---|---|---|---|---|")
+    print("| class | diffusion module | cut by | units (small build) | parity | traced / measured activation "
+          "peak per unit (min–max) |\n|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 

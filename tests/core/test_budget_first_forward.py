@@ -33,10 +33,19 @@ def probe(model, fn, *args):
 # 1. the measuring forward stays within the budget
 
 
-def test_first_forward_peak_is_within_a_budget_the_whole_unit_slot_would_pass(caplog):
-    """Budget below (largest unit + activations): a measuring forward with one slot of the largest
-    uncut unit would pass it. It is stopped before that, cut finer and run again: the first
-    forward's measured peak is within the budget, the output exact, later forwards too."""
+def no_dry_run(monkeypatch):
+    """The fallback path: the dry run reports that it could not run (as for a data-dependent op)."""
+    from vramcut_core import engine
+    from vramcut_core.trace import TraceResult
+
+    monkeypatch.setattr(engine, "trace_units", lambda *a, **k: TraceResult(None, reason="off in this test"))
+
+
+def test_first_forward_peak_is_within_a_budget_the_whole_unit_slot_would_pass(caplog, monkeypatch):
+    """Budget below (largest unit + activations), no dry run: a measuring forward with one slot of
+    the largest uncut unit would pass it. It is stopped before that, cut finer and run again: the
+    first forward's measured peak is within the budget, the output exact, later forwards too."""
+    no_dry_run(monkeypatch)
     model = seeded(TransformerStack(d=64, depth=4))
     x = ids(b=16, n=64)
     act, biggest = probe(model, model, x)
