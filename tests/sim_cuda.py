@@ -32,6 +32,7 @@ import time
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
@@ -495,6 +496,8 @@ class _SimMode(TorchDispatchMode):
         sim = self.sim
         sim.ops += 1
         flat, _ = tree_flatten((args, kwargs))
+        if any(isinstance(t, FakeTensor) for t in flat):
+            return func(*args, **kwargs)  # the engine's dry run: fake tensors have no memory to simulate
         if any(isinstance(t, torch.Tensor) and _wrapper(t) for t in flat):
             # a wrapper subclass has no storage of its own; its dispatch runs the op on its inner
             # tensors with this mode off, so the simulator does not see them: such weights run,
