@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import quant
-from .measure import UnitMeasurement, _PlainAlias
+from .measure import UnitMeasurement, _PlainAlias, record_entry
 from .tensors import is_plain_tensor
 from .units import Unit
 
@@ -180,7 +180,6 @@ class _UnitTracker(_tracker_base()):
     def __init__(self, dev: torch.device) -> None:
         super().__init__()
         self._dev_type = dev.type
-        self._order: list[str] = []
         self._meas: dict[str, UnitMeasurement] = {}
         self._modules: set[int] = set()
         self._current: str | None = None
@@ -214,15 +213,8 @@ class _UnitTracker(_tracker_base()):
             return
         self._close()
         self._current = name
-        live = self._live()
-        m = self._meas.get(name)
-        if m is None:
-            self._meas[name] = UnitMeasurement(live, live)
-            self._order.append(name)
-        else:
-            m.calls += 1
-            m.entry_bytes = max(m.entry_bytes, live)
-        self._window = live
+        self._window = live = self._live()
+        record_entry(self._meas, name, live)  # as the executor's measuring forward records it
 
     def _close(self) -> None:
         if self._current is not None:
@@ -232,9 +224,9 @@ class _UnitTracker(_tracker_base()):
     def finish(self, units: Sequence[Unit]) -> dict[str, UnitMeasurement]:
         self._close()
         by_name = {u.name: u for u in units}
-        for n in self._order:
-            self._meas[n].modules = frozenset(id(m) for m in by_name[n].hook_modules if id(m) in self._modules)
-        return {n: self._meas[n] for n in self._order}
+        for n, m in self._meas.items():  # in entry order
+            m.modules = frozenset(id(x) for x in by_name[n].hook_modules if id(x) in self._modules)
+        return dict(self._meas)
 
 
 class _ModuleState:
