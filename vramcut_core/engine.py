@@ -36,7 +36,7 @@ from .measure import OverBudget, UnitMeasurement, describe_signature, signature
 from .plan import STOPPED, BudgetError, Plan, PlanOptions, PlanUnit, budget_error, make_plan, measuring_plan
 from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, is_plain_tensor, max_abs_diff
-from .trace import MEASURED, TRACED, TraceResult, trace_units
+from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
 from .units import Unit, find_units, split_unit
 
 log = logging.getLogger("vramcut")
@@ -367,6 +367,8 @@ class Engine:
     def run_as(self, sig: tuple, fn: Callable, *args, **kwargs):
         """``run`` with the input signature given (for calls whose inputs are not tensors yet,
         such as a text encoder's token lists)."""
+        if tracing():  # reached from inside a dry run: its tensors are fakes, nothing to plan
+            return fn(*args, **kwargs)
         self.revalidate()
         failed = self._failed.get(sig)
         if failed is not None:

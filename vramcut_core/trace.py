@@ -19,6 +19,7 @@ falls back to measuring with a real forward (``source`` "measured").
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -33,6 +34,15 @@ from .units import Unit
 
 TRACED = "traced"
 MEASURED = "measured"
+
+_active = threading.local()
+
+
+def tracing() -> bool:
+    """True inside a dry run (on this thread): a call that reaches an engine from within one (a
+    host whose model calls its own patched entry point, a VAE that tiles itself) runs plainly,
+    on the fakes, and plans nothing."""
+    return getattr(_active, "depth", 0) > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +99,12 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
         # that has no tracked parent (a video VAE calls its decoder once per frame).
         root = _Call(fn, fake_args, fake_kwargs)
         # The alias guard the CPU meter needs for GGUF weights (see measure._PlainAlias).
-        with mode, _PlainAlias(), tracker:
-            root()
+        _active.depth = getattr(_active, "depth", 0) + 1
+        try:
+            with mode, _PlainAlias(), tracker:
+                root()
+        finally:
+            _active.depth -= 1
         meas = tracker.finish(units)
         return TraceResult(meas, tracker.forward_peak, None, time.perf_counter() - t0)
     except Exception as e:  # any failure means "not traced": the real forward measures
