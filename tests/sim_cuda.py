@@ -42,6 +42,7 @@ import time
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
@@ -589,6 +590,8 @@ class _SimMode(TorchDispatchMode):
         sim = self.sim
         sim.ops += 1
         flat, _ = tree_flatten((args, kwargs))
+        if any(isinstance(t, FakeTensor) for t in flat):
+            return func(*args, **kwargs)  # the engine's dry run: fake tensors have no memory to simulate
         wrapped = [type(t) for t in flat if isinstance(t, torch.Tensor) and _wrapper(t)]
         if wrapped:
             # A wrapper subclass has no storage of its own: run its own dispatch with this mode

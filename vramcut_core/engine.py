@@ -42,7 +42,7 @@ from .measure import OverBudget, UnitMeasurement, describe_signature, joint_meas
 from .plan import STOPPED, BudgetError, Plan, PlanOptions, PlanUnit, budget_error, make_plan, measuring_plan
 from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, is_plain_tensor, max_abs_diff
-from .trace import MEASURED, TRACED, TraceResult, trace_units
+from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
 from .units import Unit, find_units, split_unit
 
 log = logging.getLogger("vramcut")
@@ -223,11 +223,12 @@ class Engine:
                 a.modules = a.modules | m.modules
         return out
 
-    def _measure(self, fn: Callable, args: tuple, kwargs: dict):
+    def _measure(self, fn: Callable, args: tuple, kwargs: dict, cap: int | None = None):
         """The measured forward, within the budget: (output, stats, measurements by whole unit).
-        Stopped before passing the budget, it is run again with the slot cut finer."""
+        Units larger than ``cap`` are cut finer first; stopped before passing the budget, it is run
+        again with the slot cut finer."""
         budget = self.config.budget_bytes
-        cap = budget
+        cap = budget if cap is None else max(1, cap)
         last: int | None = None
         while True:
             base = self._measuring_plan(cap)
@@ -259,9 +260,12 @@ class Engine:
 
     def _first_forward(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
         """The first forward of a signature: (output, stats, measurements by whole unit, source).
-        Planned from the dry run when it ran (a budget too small is refused here, nothing copied);
-        the real forward measures under that plan and stops before passing the budget, and if it
-        does (the dry run saw less than the real forward allocates) it is measured the old way."""
+        Planned from the dry run when it ran (a budget too small is refused here, nothing copied).
+        On CPU the real forward runs that plan and measures (the dry run counts what the CPU meter
+        counts). On CUDA the caching allocator holds more than the operators' bytes (rounding,
+        blocks it does not reuse: what the CUDA meter counts), so the first forward is the
+        measuring one, its slot cut up front to fit beside the traced activations. Either way it
+        stops before passing the budget, and is measured the old way if it does."""
         tr = self.traces.get(sig)
         if tr is None:
             self.executor.restore_weights()  # the dry run swaps the registries the held copies use
@@ -269,18 +273,21 @@ class Engine:
             if tr.reason is not None:
                 log.warning("VRAMCut: the dry run could not run (%s); the first forward measures the "
                             "activations instead (a budget too small is found only as it runs)", tr.reason)
-        if tr.measurements is not None:
-            plan = self._measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
-            try:
-                out, stats, meas = self.executor.forward(plan, fn, *args, measure=True,
-                                                         limit_bytes=self.config.budget_bytes, **kwargs)
-                return out, stats, self._aggregate(meas), TRACED
-            except OverBudget as e:
-                log.warning("VRAMCut: the first forward passed the traced plan in '%s' (%s weights + %s "
-                            "activations); measuring it again", e.unit, fmt_bytes(e.weight_bytes),
-                            fmt_bytes(e.activation_bytes))
-        out, stats, meas = self._measure(fn, args, kwargs)
-        return out, stats, meas, MEASURED if tr.measurements is None else TRACED
+        if tr.measurements is None:
+            return (*self._measure(fn, args, kwargs), MEASURED)
+        plan = self._measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
+        if self.executor.cuda:
+            pinned = sum(self.executor.unit_device_bytes(u.name) for u in self.unitset.units if u.pinned)
+            return (*self._measure(fn, args, kwargs, self.config.budget_bytes - pinned - tr.peak_bytes), TRACED)
+        try:
+            out, stats, meas = self.executor.forward(plan, fn, *args, measure=True,
+                                                     limit_bytes=self.config.budget_bytes, **kwargs)
+            return out, stats, self._aggregate(meas), TRACED
+        except OverBudget as e:
+            log.warning("VRAMCut: the first forward passed the traced plan in '%s' (%s weights + %s "
+                        "activations); measuring it again", e.unit, fmt_bytes(e.weight_bytes),
+                        fmt_bytes(e.activation_bytes))
+        return (*self._measure(fn, args, kwargs), TRACED)
 
     def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str) -> Plan:
         names = [u.name for u in self.unitset.units]
@@ -369,6 +376,8 @@ class Engine:
     def run_as(self, sig: tuple, fn: Callable, *args, **kwargs):
         """``run`` with the input signature given (for calls whose inputs are not tensors yet,
         such as a text encoder's token lists)."""
+        if tracing():  # reached from inside a dry run: its tensors are fakes, nothing to plan
+            return fn(*args, **kwargs)
         self.revalidate()
         failed = self._failed.get(sig)
         if failed is not None:

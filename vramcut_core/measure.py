@@ -89,6 +89,17 @@ def joint_measurements(runs: list[dict[str, UnitMeasurement]]) -> dict[str, Unit
             for n in order}
 
 
+def record_entry(meas: dict[str, UnitMeasurement], name: str, live: int) -> None:
+    """A unit entered with ``live`` activation bytes: its first entry, or one more pass (a unit
+    entered again after another one ran), keeping the largest entry."""
+    m = meas.get(name)
+    if m is None:
+        meas[name] = UnitMeasurement(live, live)
+    else:
+        m.calls += 1
+        m.entry_bytes = max(m.entry_bytes, live)
+
+
 class OverBudget(RuntimeError):
     """Stops a measuring forward before it passes the budget (the engine re-plans or explains).
 

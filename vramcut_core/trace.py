@@ -19,6 +19,7 @@ falls back to measuring with a real forward (``source`` "measured").
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -27,12 +28,21 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import quant
-from .measure import UnitMeasurement, _PlainAlias
+from .measure import UnitMeasurement, _PlainAlias, record_entry
 from .tensors import is_plain_tensor
 from .units import Unit
 
 TRACED = "traced"
 MEASURED = "measured"
+
+_active = threading.local()
+
+
+def tracing() -> bool:
+    """True inside a dry run (on this thread): a call that reaches an engine from within one (a
+    host whose model calls its own patched entry point, a VAE that tiles itself) runs plainly,
+    on the fakes, and plans nothing."""
+    return getattr(_active, "depth", 0) > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +100,12 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
         # that has no tracked parent (a video VAE calls its decoder once per frame).
         root = _Call(fn, fake_args, fake_kwargs)
         # The alias guard the CPU meter needs for GGUF weights (see measure._PlainAlias).
-        with mode, _PlainAlias(), tracker:
-            root()
+        _active.depth = getattr(_active, "depth", 0) + 1
+        try:
+            with mode, _PlainAlias(), tracker:
+                root()
+        finally:
+            _active.depth -= 1
         meas = tracker.finish(units)
         return TraceResult(meas, tracker.forward_peak, None, time.perf_counter() - t0)
     except Exception as e:  # any failure means "not traced": the real forward measures
@@ -201,7 +215,6 @@ class _UnitTracker(_tracker_base()):
     def __init__(self, dev: torch.device) -> None:
         super().__init__()
         self._dev_type = dev.type
-        self._order: list[str] = []
         self._meas: dict[str, UnitMeasurement] = {}
         self._modules: set[int] = set()
         self._current: str | None = None
@@ -235,15 +248,8 @@ class _UnitTracker(_tracker_base()):
             return
         self._close()
         self._current = name
-        live = self._live()
-        m = self._meas.get(name)
-        if m is None:
-            self._meas[name] = UnitMeasurement(live, live)
-            self._order.append(name)
-        else:
-            m.calls += 1
-            m.entry_bytes = max(m.entry_bytes, live)
-        self._window = live
+        self._window = live = self._live()
+        record_entry(self._meas, name, live)  # as the executor's measuring forward records it
 
     def _close(self) -> None:
         if self._current is not None:
@@ -253,9 +259,9 @@ class _UnitTracker(_tracker_base()):
     def finish(self, units: Sequence[Unit]) -> dict[str, UnitMeasurement]:
         self._close()
         by_name = {u.name: u for u in units}
-        for n in self._order:
-            self._meas[n].modules = frozenset(id(m) for m in by_name[n].hook_modules if id(m) in self._modules)
-        return {n: self._meas[n] for n in self._order}
+        for n, m in self._meas.items():  # in entry order
+            m.modules = frozenset(id(x) for x in by_name[n].hook_modules if id(x) in self._modules)
+        return dict(self._meas)
 
 
 class _ModuleState:

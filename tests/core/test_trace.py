@@ -369,3 +369,24 @@ def test_a_steady_forward_above_the_budget_replans_once(caplog):
     assert len(warned) == 1, warned
     assert eng.last_plan is not first and first.resident_bytes > eng.last_plan.resident_bytes
     assert eng.last_plan.activation_reserve_bytes >= first.activation_reserve_bytes + (256 << 10)
+
+
+def test_a_call_that_reaches_the_engine_from_inside_its_dry_run_runs_plainly():
+    """A host entry point that calls back into the engine (a VAE that tiles itself calls its own
+    patched decode per tile): inside the dry run the inner call runs on the fakes, plans nothing,
+    and the model keeps its own weights."""
+    model, fn, args = _case("transformer")
+    with torch.no_grad():
+        ref = fn(*args)
+    snap = snapshot(model)
+    eng = Engine(model, EngineConfig(budget_bytes=1 << 30, device="cpu"))
+
+    def tiles(x):  # two "tiles", each through the engine unless a forward of it is running
+        run = (lambda t: model(t)) if eng.executor.running else (lambda t: eng.run(model, t))
+        return torch.cat([run(x[:4]), run(x[4:])])
+
+    with torch.no_grad():
+        out = eng.run(tiles, *args)
+    assert torch.equal(out, ref)
+    assert len(eng.traces) == 1 and next(iter(eng.traces.values())).source == TRACED
+    assert_unchanged(model, snap)
