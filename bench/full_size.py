@@ -172,7 +172,7 @@ def run(spec: Model) -> dict:
     # the same plan kept to whole units (no finer cut): what it costs to keep every block in one piece
     meas = dict(tr.measurements)
     order = list(meas) + [u.name for u in eng.unitset.units if u.name not in meas]
-    whole = min_budget([eng._plan_unit(by[n], meas) for n in order], eng.config.options, None)
+    whole = min_budget([eng.planner.plan_unit(by[n], meas) for n in order], eng.config.options, None)
     row.update(whole_budget_gb=gib_text(whole) if whole else "none")
     row.update(peak_max=blocks[worst].peak_bytes, peak_max_unit=worst, added_max=max(m.activation_bytes for m in blocks.values()),
                biggest=biggest, biggest_bytes=by[biggest].weight_bytes, biggest_peak=blocks[biggest].peak_bytes,

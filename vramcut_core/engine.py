@@ -28,7 +28,6 @@ difference is logged and kept in ``Engine.verify_results``.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
 import os
 from typing import Callable
@@ -36,14 +35,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import quant
 from .executor import SegmentedExecutor
 from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .plan import STOPPED, BudgetError, Plan, PlanOptions, PlanUnit, budget_error, make_plan, measuring_plan
+from .plan import STOPPED, BudgetError, Plan, PlanOptions, budget_error
 from .report import RunStats, plan_to_json, plan_to_text
-from .tensors import fmt_bytes, is_plain_tensor, max_abs_diff
+from .tensors import fmt_bytes, max_abs_diff
 from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
-from .units import Unit, find_units, split_unit
+from .planner import UnitPlanner
 
 log = logging.getLogger("vramcut")
 
@@ -79,13 +77,11 @@ class Engine:
     def __init__(self, module: nn.Module, config: EngineConfig,
                  on_plan: Callable[["Engine", Plan, tuple], None] | None = None) -> None:
         self.module = module
-        self.config = config
         self.on_plan = on_plan
-        self.unitset = find_units(module, config.family)
-        self._all: dict[str, Unit] = {}
-        self._reset_units()
-        self.executor = SegmentedExecutor(self._lookup, config.device, pin_memory=config.pin_memory,
+        self.planner = UnitPlanner(module, config)
+        self.executor = SegmentedExecutor(self.planner.unit, config.device, pin_memory=config.pin_memory,
                                           track_cpu_memory=config.track_cpu_memory, module=module)
+        self.planner.unit_bytes = self.executor.unit_device_bytes
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
         self._failed: dict[tuple, BudgetError] = {}
@@ -98,130 +94,40 @@ class Engine:
         self.last_stats: RunStats | None = None
         self.verify_results: list[dict] = []
 
-    # -- units -----------------------------------------------------------------------------
+    # -- units (the planner owns them) ------------------------------------------------------
 
-    def _reset_units(self) -> None:
-        self._all = {u.name: u for u in self.unitset.units}
-        self._checks: list | None = None
-        self._parent: dict[str, str] = {}  # a part of a finer cut -> the unit it was cut from
-        for u in self.unitset.units:
-            if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.pinned):
-                u.pinned = True
-        fmts = sorted({quant.format_name(t.tensor) for u in self.unitset.units for t in u.tensors
-                       if not is_plain_tensor(t.tensor) and quant.parts(t.tensor) is None})
-        if fmts:
-            self.unitset.warnings.append(
-                f"weights in {', '.join(fmts)} cannot be taken apart: they are moved one by one "
-                "beside the streaming slots (still counted in the budget)")
+    @property
+    def config(self) -> EngineConfig:
+        return self.planner.config
 
-    def _lookup(self, name: str) -> Unit:
-        return self._all[name]
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        self.planner.config = config
 
-    def _stale(self) -> bool:
-        checks = self._checks
-        if checks is None:  # (registry, key, tensor) of each unit tensor, flat: checked every forward
-            checks = self._checks = [(r.owner._parameters if r.is_param else r.owner._buffers, r.key, t.tensor)
-                                     for u in self.unitset.units for t in u.tensors for r in t.refs[:1]]
-        for store, key, t in checks:
-            if store.get(key) is not t:
-                return True
-        return False
+    @property
+    def unitset(self):
+        return self.planner.unitset
+
+    def weight_plan(self, options: PlanOptions | None = None) -> Plan:
+        """The plan from weights alone (structural order, activations not measured)."""
+        return self.planner.weight_plan(options)
 
     def revalidate(self) -> None:
         """Find the units again if the module's tensors were replaced from outside (a host that
         sets new Parameter objects); plans stay cached when the unit names did not change.
         Skipped while the executor holds the weights of an all-resident plan between forwards:
         whoever replaces or writes weights inside a session calls ``weights_changed`` first."""
-        if self.executor.holds_weights or not self._stale():
+        if self.executor.holds_weights or not self.planner.stale():
             return
-        old = [u.name for u in self.unitset.units]
         self.executor.forget_units()
-        self.unitset = find_units(self.module, self.config.family)
-        self._reset_units()
-        if [u.name for u in self.unitset.units] != old:
+        if self.planner.refind():
             self._plans.clear()
             self._joined.clear()
             self._failed.clear()
             self.measurements.clear()
             self.traces.clear()
 
-    def _split(self, name: str, meas: dict[str, UnitMeasurement] | None) -> list[PlanUnit] | None:
-        parts = split_unit(self._all[name])
-        if not parts:
-            return None
-        parent = meas.get(name) if meas else None
-        for p in parts:
-            self._all[p.name] = p
-            self._parent.setdefault(p.name, name)
-            if meas is None or parent is None:
-                continue
-            # A part needs at most what the whole unit needed, and it ran only if one of its
-            # modules did (a VAE decode runs one convolution of a unit that holds the encoder).
-            if p.pinned or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
-                meas[p.name] = parent
-        return [self._plan_unit(p, meas) for p in parts]
-
-    def _plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, pin: bool = False) -> PlanUnit:
-        m = meas.get(u.name) if meas is not None else None
-        return PlanUnit(u.name, self.executor.unit_device_bytes(u.name),
-                        None if meas is None else (m.peak_bytes if m else 0),
-                        None if meas is None else (m.entry_bytes if m else 0),
-                        u.pinned or pin, entered=meas is None or m is not None or u.kind == "shared",
-                        calls=m.calls if m else 1)
-
-    # -- plans -----------------------------------------------------------------------------
-
-    def weight_plan(self, options: PlanOptions | None = None) -> Plan:
-        """The plan from weights alone (structural order, activations not measured)."""
-        units = [self._plan_unit(u, None) for u in self.unitset.units]
-        return make_plan(units, self.config.budget_bytes, options or self.config.options,
-                         lambda n: self._split(n, None), self.unitset.warnings)
-
-    def _measuring_plan(self, cap: int) -> Plan:
-        """The plan of the measured forward: one slot, nothing resident but what must be, every
-        unit larger than ``cap`` bytes cut finer where it can be. The slot is sized over the units
-        that can fit at all (a unit too large is only a problem if the forward enters it)."""
-        budget = self.config.budget_bytes
-        todo = [self._plan_unit(u, None) for u in reversed(self.unitset.units)]
-        units: list[PlanUnit] = []
-        split: list[str] = []
-        while todo:
-            u = todo.pop()
-            if not u.pinned and u.weight_bytes > cap:
-                parts = self._split(u.name, None)
-                if parts:
-                    split.append(u.name)
-                    todo.extend(reversed(parts))
-                    continue
-            units.append(u)
-        pinned = sum(u.weight_bytes for u in units if u.pinned)
-        if pinned > budget:
-            raise budget_error("pinned units", budget, kind="weights", weight_bytes=pinned, activation_bytes=None,
-                               min_budget_bytes=pinned, exact=False, detail="it must stay resident")
-        slot = max((u.weight_bytes for u in units if not u.pinned and u.weight_bytes <= budget - pinned),
-                   default=0)
-        return measuring_plan(units, budget, slot, split, self.unitset.warnings)
-
-    def _top(self, name: str) -> str:
-        while name in self._parent:
-            name = self._parent[name]
-        return name
-
-    def _aggregate(self, meas: dict[str, UnitMeasurement]) -> dict[str, UnitMeasurement]:
-        """Measurements of the parts of a finer cut, as the units they were cut from (in the
-        order the forward entered them): the plan starts from whole units and cuts again only
-        where the budget needs it."""
-        out: dict[str, UnitMeasurement] = {}
-        for n, m in meas.items():
-            t = self._top(n)
-            a = out.get(t)
-            if a is None:
-                out[t] = UnitMeasurement(m.entry_bytes, m.peak_bytes, m.calls, m.modules)
-            else:
-                a.peak_bytes = max(a.peak_bytes, m.peak_bytes)
-                a.calls = max(a.calls, m.calls)
-                a.modules = a.modules | m.modules
-        return out
+    # -- the first forward of a signature ----------------------------------------------------
 
     def _measure(self, fn: Callable, args: tuple, kwargs: dict, cap: int | None = None):
         """The measured forward, within the budget: (output, stats, measurements by whole unit).
@@ -231,11 +137,11 @@ class Engine:
         cap = budget if cap is None else max(1, cap)
         last: int | None = None
         while True:
-            base = self._measuring_plan(cap)
+            base = self.planner.measuring_plan(cap)
             try:
                 out, stats, meas = self.executor.forward(base, fn, *args, measure=True,
                                                          limit_bytes=budget, **kwargs)
-                return out, stats, self._aggregate(meas)
+                return out, stats, self.planner.aggregate(meas)
             except OverBudget as e:
                 held = base.resident_bytes + base.window_bytes
                 hopeless = base.resident_bytes + e.activation_bytes > budget  # no slot would help
@@ -275,43 +181,19 @@ class Engine:
                             "activations instead (a budget too small is found only as it runs)", tr.reason)
         if tr.measurements is None:
             return (*self._measure(fn, args, kwargs), MEASURED)
-        plan = self._measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
+        plan = self.planner.measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
         if self.executor.cuda:
-            pinned = sum(self.executor.unit_device_bytes(u.name) for u in self.unitset.units if u.pinned)
+            pinned = self.planner.pinned_bytes()
             return (*self._measure(fn, args, kwargs, self.config.budget_bytes - pinned - tr.peak_bytes), TRACED)
         try:
             out, stats, meas = self.executor.forward(plan, fn, *args, measure=True,
                                                      limit_bytes=self.config.budget_bytes, **kwargs)
-            return out, stats, self._aggregate(meas), TRACED
+            return out, stats, self.planner.aggregate(meas), TRACED
         except OverBudget as e:
             log.warning("VRAMCut: the first forward passed the traced plan in '%s' (%s weights + %s "
                         "activations); measuring it again", e.unit, fmt_bytes(e.weight_bytes),
                         fmt_bytes(e.activation_bytes))
         return (*self._measure(fn, args, kwargs), TRACED)
-
-    def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str) -> Plan:
-        names = [u.name for u in self.unitset.units]
-        entered = [n for n in meas if n in self._all]
-        order = entered + [n for n in names if n not in meas]
-        split = lambda n: self._split(n, meas)  # noqa: E731
-        looped = {n for n in entered if meas[n].calls > 1}
-        if looped and self.config.residency:
-            # A forward that loops over its units (a video VAE decoding frame by frame) would
-            # re-send streamed weights on every pass: keep the looped units resident if they fit.
-            units = [self._plan_unit(self._all[n], meas, pin=n in looped) for n in order]
-            try:
-                return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.config.options,
-                                                     split, self.unitset.warnings), source=source)
-            except BudgetError:
-                pass
-        units = [self._plan_unit(self._all[n], meas) for n in order]
-        notes = list(self.unitset.warnings)
-        if looped:
-            worst = max(meas[n].calls for n in looped)
-            notes.append(f"the forward enters {len(looped)} units up to {worst} times; what streams is "
-                         f"copied on every pass (a larger budget keeps them resident)")
-        return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.config.options, split, notes),
-                                   source=source)
 
     def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> Plan | None:
         return self._plans.get(signature(args, kwargs or {}))
@@ -388,12 +270,12 @@ class Engine:
                 out, stats, meas, source = self._guard(lambda f, a, k: self._first_forward(sig, f, a, k),
                                                        fn, args, kwargs)
                 meas = self.measurements[sig] = _grown(self.measurements.get(sig), meas)
-                plan = self._measured_plan(meas, source)
+                plan = self.planner.measured_plan(meas, source)
             except BudgetError as e:
                 self._failed[sig] = e  # the same input will not fit next time either
                 raise
             if self.config.verify:
-                self._verify(sig, out, fn, args, kwargs)
+                self.verify_results.append(verify_unpatched(sig, out, fn, args, kwargs))
             self._plans[sig] = plan
             self._record(plan, sig, stats)
             if self.on_plan is not None:
@@ -426,7 +308,7 @@ class Engine:
         if meas is None:
             return plan
         try:
-            joint = self._measured_plan(meas)
+            joint = self.planner.measured_plan(meas, plan.source)
         except BudgetError:
             return plan
         for s in group:
@@ -453,21 +335,6 @@ class Engine:
                    f"the device under a budget of {fmt_bytes(self.config.budget_bytes)} (all released; the "
                    f"model is unchanged): {e}")
             raise torch.OutOfMemoryError(msg) from e
-
-    def _verify(self, sig: tuple, out, fn: Callable, args: tuple, kwargs: dict) -> None:
-        """Run ``fn`` unpatched on the same inputs and record the largest |difference|."""
-        res = {"signature": describe_signature(sig), "max_abs_diff": None, "equal": None, "error": None}
-        try:
-            ref = fn(*args, **kwargs)
-            res["max_abs_diff"], res["equal"] = max_abs_diff(out, ref)
-        except Exception as e:  # verification must never break the run it checks
-            res["error"] = f"{type(e).__name__}: {e}"
-        self.verify_results.append(res)
-        if res["error"]:
-            log.warning("VRAMCut verify (%s): the unpatched forward could not run: %s", res["signature"], res["error"])
-        else:
-            log.warning("VRAMCut verify (%s): max |segmented - unpatched| = %g (%s)", res["signature"],
-                        res["max_abs_diff"], "bit-equal" if res["equal"] else "differs")
 
     def reset_stats(self) -> None:
         self.stats = RunStats()
@@ -512,19 +379,27 @@ def _grown(old: dict[str, UnitMeasurement] | None, new: dict[str, UnitMeasuremen
     return new
 
 
-def _subtree(u: Unit) -> list[nn.Module]:
-    """Every module of a unit (its roots' submodules and the owners of its tensors)."""
-    mods = list(u.hook_modules)
-    for _, m in u.roots:
-        mods.extend(m.modules())
-    return mods
-
-
 def _segment_of(plan: Plan, unit: str) -> str | None:
     for seg in plan.segments:
         if any(plan.units[i].name == unit for i in seg.units):
             return plan.segment_name(seg)
     return None
+
+def verify_unpatched(sig: tuple, out, fn: Callable, args: tuple, kwargs: dict) -> dict:
+    """Run ``fn`` unpatched on the same inputs; the largest |difference| from ``out``, logged."""
+    res = {"signature": describe_signature(sig), "max_abs_diff": None, "equal": None, "error": None}
+    try:
+        ref = fn(*args, **kwargs)
+        res["max_abs_diff"], res["equal"] = max_abs_diff(out, ref)
+    except Exception as e:  # verification must never break the run it checks
+        res["error"] = f"{type(e).__name__}: {e}"
+    if res["error"]:
+        log.warning("VRAMCut verify (%s): the unpatched forward could not run: %s", res["signature"], res["error"])
+    else:
+        log.warning("VRAMCut verify (%s): max |segmented - unpatched| = %g (%s)", res["signature"],
+                    res["max_abs_diff"], "bit-equal" if res["equal"] else "differs")
+    return res
+
 
 
 __all__ = ["Engine", "EngineConfig", "BudgetError"]

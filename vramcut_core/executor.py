@@ -113,9 +113,8 @@ class SegmentedExecutor:
         self.measuring = Measuring(self.device, self.memory, units)
         self._in_session = 0
         self.keep_buffers = False   # hold device buffers between forwards until release()
-        # an all-resident plan keeps its weights swapped in between forwards of a session (or,
-        # with ``hold_weights``, while buffers are kept); the module is whole again on release,
-        # error, interrupt, invalidate, a plan change, or a forward of the module that is not ours
+        # an all-resident plan keeps its weights swapped in between forwards of a session (or with
+        # ``hold_weights``); whole again on release, error, invalidate, a new plan, a foreign forward
         self.hold_weights = False
         self._running = False
         self._plan = self._last_plan = None
@@ -165,7 +164,7 @@ class SegmentedExecutor:
         self.transfers.stats = stats
         ok = False
         t0 = time.perf_counter()
-        start_ev = end_ev = None
+        start_ev = None
         ms = self.measuring
         ms.limit = limit_bytes if measure else None
         self.memory.on_grow = self._check_live if ms.limit is not None else None
@@ -306,12 +305,7 @@ class SegmentedExecutor:
         while len(mem.slots) < plan.slots:
             mem.slots.append(Slot(mem.alloc(plan.slot_bytes)))
         self.transfers.plan(plan)
-        for name, (_, dc) in mem.resident.items():
-            self.binding.swap_in(name, dc)
-            self._loaded(name, dc)
-        for s in mem.slots:
-            for n, dc in s.copies.items():
-                self.binding.swap_in(n, dc)
+        self.binding.swap_in_buffers(mem, self._loaded)
         if (groups and plan.slots and mem.slot_of(groups[0][0]) is None
                 and mem.group_bytes(groups[0]) <= plan.slot_bytes):  # a measuring slot may not hold it
             self._load_into_slot(groups[0], mem.slots[0], sync=not self.cuda)
@@ -322,11 +316,9 @@ class SegmentedExecutor:
         self.transfers.into_slot(group, slot, sync, swap)
 
     def _prefetch_first(self, plan: Plan) -> None:  # wrap around: the next forward's first group
-        groups, mem = plan.streamed_groups, self.memory
-        if not groups or mem.slot_of(groups[0][0]) is not None or len(mem.slots) < 2:
-            return
-        # after the forward: the tensors stay on their masters until the next forward starts
-        self._load_into_slot(groups[0], mem.other_slot(self._last_streamed), sync=False, swap=False)
+        g, mem = plan.streamed_groups, self.memory  # (tensors stay on their masters until it starts)
+        if g and mem.slot_of(g[0][0]) is None and len(mem.slots) >= 2:
+            self._load_into_slot(g[0], mem.other_slot(self._last_streamed), sync=False, swap=False)
 
     def _enter(self, name: str, module: nn.Module | None = None) -> None:
         if not self._running:

@@ -247,7 +247,7 @@ def test_streamed_forward_hooks_each_unit_it_enters_once():
             streamed = plan.streamed_order
             assert streamed and plan.resident_units, "the budget should stream some units, keep others"
             assert all(ex.hooks.contained[u] for u in streamed)
-            roots = sum(len(eng._all[u].roots) for u in streamed)
+            roots = sum(len(eng.planner.all[u].roots) for u in streamed)
             assert hooks_on(model) == roots, "one hook per root of each streamed unit, none elsewhere"
             for _ in range(3):
                 n.reset()
@@ -279,7 +279,7 @@ def test_a_unit_whose_modules_run_outside_its_root_keeps_every_hook():
             outs = [eng.run(model, x) for _ in range(4)]
             assert ex.hooks.contained["blocks.2"] is False
             assert ex.hooks.contained["blocks.3"] is True
-            peek = eng._all["blocks.2"]
+            peek = eng.planner.all["blocks.2"]
             assert all(len(m._forward_pre_hooks) == 1 for m in peek.hook_modules)
             assert len(model.blocks[3].norm._forward_pre_hooks) == 0
         for o in outs:

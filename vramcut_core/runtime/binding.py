@@ -74,6 +74,15 @@ class Binding:
                 r.set(new)
         self.swapped[name] = saved
 
+    def swap_in_buffers(self, memory, loaded: Callable[[str, DeviceCopy], None]) -> None:
+        """Point every unit the device buffers hold at its copy; ``loaded`` runs for resident ones."""
+        for name, (_, dc) in memory.resident.items():
+            self.swap_in(name, dc)
+            loaded(name, dc)
+        for s in memory.slots:
+            for n, dc in s.copies.items():
+                self.swap_in(n, dc)
+
     def swap_out(self, name: str) -> None:
         saved = self.swapped.pop(name, None)
         if saved is None:
