@@ -53,7 +53,8 @@ class TraceResult:
     measurements: dict[str, UnitMeasurement] | None
     peak_bytes: int = 0       # the most live activation bytes of the whole forward
     reason: str | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0      # wall time of the dry run
+    cpu_seconds: float = 0.0  # CPU time of this process during it
 
     @property
     def source(self) -> str:
@@ -69,7 +70,7 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
     device count as activations for the whole forward, as the measuring forward counts them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     kwargs = kwargs or {}
     dev = _compute_device(device, args, kwargs, units)
     # static shapes: the figures are for these shapes exactly; non-fake inputs (a tensor a module
@@ -107,9 +108,10 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
         finally:
             _active.depth -= 1
         meas = tracker.finish(units)
-        return TraceResult(meas, tracker.forward_peak, None, time.perf_counter() - t0)
+        return TraceResult(meas, tracker.forward_peak, None, time.perf_counter() - t0, time.process_time() - c0)
     except Exception as e:  # any failure means "not traced": the real forward measures
-        return TraceResult(None, 0, f"{type(e).__name__}: {_first_line(e)}", time.perf_counter() - t0)
+        return TraceResult(None, 0, f"{type(e).__name__}: {_first_line(e)}", time.perf_counter() - t0,
+                           time.process_time() - c0)
     finally:
         for h in hooks:
             h.remove()
