@@ -20,7 +20,7 @@
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { answer } from "./plan/format.js";
+import { answer, refusal } from "./plan/format.js";
 import { lastPayload } from "./plan/payload.js";
 import { PlanView, watchPage } from "./plan/view.js";
 
@@ -283,7 +283,7 @@ app.registerExtension({
       const p = this.flags?.collapsed ? this.vramcutView?.payload : null;
       if (!p?.models?.length) return title;
       const more = p.models.length > 1 ? ` +${p.models.length - 1}` : "";
-      return `${title} · ${answer(p.models[0], p.budget_bytes).short}${more}`;
+      return `${title} · ${answer(p.models[0], p.budget_bytes, refusal(p)).short}${more}`;
     });
 
     // Cleanup first, so that a failing handler further down the chain cannot leave the listener.

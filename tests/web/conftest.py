@@ -143,6 +143,13 @@ def comfyui_path() -> str:
 
 @pytest.fixture(scope="module")
 def comfy_server(comfyui_path, tmp_path_factory):
+    running = os.environ.get("VRAMCUT_COMFY_URL")
+    if running:
+        # while working on the web side: a server already running with the same set-up (its base
+        # directory in $VRAMCUT_COMFY_BASE); web/ changes are served without a restart
+        base = os.environ.get("VRAMCUT_COMFY_BASE", "")
+        yield ComfyServer(running.rstrip("/"), base, os.path.join(base, "comfyui.log"), None)
+        return
     base = str(tmp_path_factory.mktemp("comfy_base"))
     os.makedirs(os.path.join(base, "custom_nodes"))
     os.symlink(REPO, os.path.join(base, "custom_nodes", PACK_FOLDER), target_is_directory=True)

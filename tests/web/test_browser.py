@@ -943,7 +943,7 @@ def test_budget_too_small_says_which_budget_works(comfy_server, browser):
         "const n = app.graph.getNodeById(arguments[0]); return n.vramcutView.payload", r["id"])
     need = view.get("min_budget_bytes") or view.get("need_bytes")
     assert need and need > 0.001 * 1024**3, (view, st)
-    m = re.match(r"Set max_vram_gb (to at least|above) (\d+\.\d\d)", st["data"].get("fix", ""))
+    m = re.match(r"Set max_vram_gb (to at least|above) (\d+\.\d+)", st["data"].get("fix", ""))
     assert m and float(m.group(2)) * 1024**3 >= need, (st["data"], need)
     time.sleep(0.3)
     _save("budget_error_node.png", _node_crop(browser, r["id"], 1.0))
@@ -973,3 +973,47 @@ def test_drag_on_the_plan_moves_the_node(comfy_server, browser):
         "return [...document.querySelectorAll('.litecontextmenu')].map((e) => e.textContent).join(' | ')"))
     assert "Properties" in menu, menu  # the node's menu, not the canvas's
     ActionChains(browser).send_keys("\ue00c").perform()  # Escape
+
+
+# ------------------------------------------------------ what a user sees: refusal, first look, collapse
+
+FITS_COLOR = "#22c55e"      # web/plan/theme.js COLORS.fits (the "fits" verdict, dark palette)
+OVER_COLOR = "#ef4444"      # COLORS.over: "over budget" / "refused"
+REFUSED_BUDGET_GB = 0.05    # the random SD VAE decoding a 512x512 image: its activations need ~0.056
+
+
+def _wait_events(browser, node_id, *types, timeout=PROMPT_TIMEOUT_S):
+    """Until the build log holds one of ``types`` (the run's end); returns the node's state."""
+    return _wait(browser, f"one of {types}", lambda: (
+        (st := _node_state(browser, node_id)) and any(e["type"] in types for e in st["log"]["events"]) and st),
+        timeout=timeout)
+
+
+def test_refusal_is_the_node_state(comfy_server, browser):
+    """A decode the budget cannot hold: the node shows the refusal, not the estimate drawn before
+    the run (no green "fits" anywhere on it), and leads with the fix, the number the error names."""
+    s = comfy_server
+    _open(browser, s)
+    ids = browser.execute_async_script(BUILD_VAE_GRAPH_JS, s.sd_vae, REFUSED_BUDGET_GB, 1101)
+    assert "error" not in ids, ids["error"]
+    cut = ids["cut"]
+    browser.execute_script("const n = app.graph.nodes.find((n) => n.type === 'EmptyLatentImage');"
+                           "n.widgets[0].value = 512; n.widgets[1].value = 512;")
+    assert browser.execute_async_script(QUEUE_JS, [ids["decode"], ids["preview"]], 0) is True
+    st = _wait_events(browser, cut, "execution_error", "execution_success")
+    assert any(e["type"] == "execution_error" for e in st["log"]["events"]), "the decode was not refused"
+    d = _wait(browser, "the refusal drawn", lambda: (
+        (x := _node_state(browser, cut)["data"]).get("state") == "refused" and int(x.get("drawn", 0)) > 0 and x))
+    fix = re.match(r"Set max_vram_gb (to at least|above) (\d+\.\d+)\.$", d.get("fix", ""))
+    assert fix, d
+    # one number: the error's own text names the same budget
+    named = re.findall(r"max_vram_gb that works for this shape is (?:at least |about )?(\d+\.\d+)", d["message"])
+    assert not named or named == [fix.group(2)], (d["fix"], d["message"])
+    (line,) = d["answers"].split("\n")
+    assert line.startswith(f"refused · needs {fix.group(2)} / "), line
+    time.sleep(0.3)
+    png = _node_crop(browser, cut, 1.0)
+    _save("refused_node.png", png)
+    # on screen: no "fits" verdict left, the refusal in red
+    assert _count_on_screen(png, FITS_COLOR) == 0, "the pre-run estimate is still drawn as fitting"
+    assert _count_on_screen(png, OVER_COLOR) > 300
