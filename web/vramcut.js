@@ -193,6 +193,32 @@ function attachPlan(node) {
     node.setDirtyCanvas?.(true, true);
   };
 
+  // A new node is sized by the host before its widgets are laid out (a node added from the
+  // search box gets a second size after our first fit): until the plan area has once been seen
+  // at its content's height, every frame checks it again. A loaded node keeps its saved size.
+  let settled = false;
+  let checked = null;
+  node.vramcutSettle = () => {
+    settled = true;
+  };
+  node.vramcutCheckFit = () => {
+    if (settled || node.flags?.collapsed) return;
+    const area = view.el.clientHeight;
+    // not laid out yet: no height, or one the node cannot hold (a first layout can measure the
+    // element at the page's size)
+    if (!area || area > node.size[1]) return;
+    if (area + 1 >= view.contentHeight(view.el.clientWidth)) {
+      settled = true;
+      return;
+    }
+    // the last fit not laid out yet, or undone by the host (a node from the search box follows
+    // the pointer as a "ghost" until placed, and is sized again): look again a little later
+    const key = `${node.size[1]}|${area}`;
+    if (key === checked?.key && performance.now() - checked.at < 250) return;
+    checked = { key, at: performance.now() };
+    node.vramcutFit();
+  };
+
   node.vramcutSetDetails = (on) => {
     view.setDetails(on);
     // a user's choice, kept with the workflow like any other edit
@@ -259,6 +285,7 @@ app.registerExtension({
       const r = base();
       const view = this.vramcutView;
       if (!view) return r;
+      this.vramcutSettle?.(); // a loaded workflow keeps its saved size
       view.setDetails(this.properties?.[VIEW_PROPERTY] === "details");
       // A loaded workflow keeps its saved size: showing its plan again must not change it.
       const known = seen.get(seenKey(this)) ?? this.properties?.[LEGACY_PROPERTY];

@@ -1017,3 +1017,44 @@ def test_refusal_is_the_node_state(comfy_server, browser):
     # on screen: no "fits" verdict left, the refusal in red
     assert _count_on_screen(png, FITS_COLOR) == 0, "the pre-run estimate is still drawn as fitting"
     assert _count_on_screen(png, OVER_COLOR) > 300
+
+
+ADDED_NODE_JS = """
+const n = app.graph.nodes.find((n) => n.type === arguments[0]);
+if (!n) return null;
+const v = n.vramcutView;
+const r = v.el.getBoundingClientRect();
+return {area: v.el.clientHeight, content: v.contentHeight(v.el.clientWidth), box: [r.left, r.top, r.width, r.height],
+        size: [n.size[0], n.size[1]], id: n.id};
+"""
+
+
+def test_node_added_from_search_shows_its_guidance(comfy_server, browser):
+    """Added from the search box (double-click, type, Enter) as a user adds it: the plan area is
+    as tall as its content, so "VRAM plan" and the "Queue the workflow…" hint are on screen."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+    _open(browser, comfy_server)
+    browser.execute_script("app.graph.clear(); app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 0];"
+                           "app.canvas.setDirty(true, true);")
+    time.sleep(0.5)
+    a = ActionBuilder(browser)
+    a.pointer_action.move_to_location(700, 400).double_click()
+    a.perform()
+    time.sleep(1.0)
+    ActionChains(browser).send_keys("Max VRAM (VRAMCut)").perform()
+    _wait(browser, "the search result", lambda: browser.execute_script(
+        "return document.body.innerText.includes('Max VRAM (VRAMCut)')"))
+    time.sleep(0.5)
+    ActionChains(browser).send_keys("\ue007").perform()  # Enter
+    st = _wait(browser, "the node added", lambda: browser.execute_script(ADDED_NODE_JS, NODE_TYPE))
+    time.sleep(0.3)
+    a = ActionBuilder(browser)  # the new node follows the pointer until a click places it
+    a.pointer_action.move_to_location(600, 300).click()
+    a.perform()
+    time.sleep(1.0)  # several frames: the host's own sizing has run
+    st = browser.execute_script(ADDED_NODE_JS, NODE_TYPE)
+    png = _node_crop(browser, st["id"], 1.0)
+    _save("fresh_node.png", png)
+    assert st["area"] + 1 >= st["content"] and st["content"] >= 50, st  # header + the two-line hint

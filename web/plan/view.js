@@ -320,6 +320,7 @@ export class PlanView {
   /** Called from the widget's onDraw (every LiteGraph frame): redraw when the zoom crossed a
    * threshold or the pixel scale changed, and (a few times a second) when the palette changed. */
   checkFrame() {
+    this.node.vramcutCheckFit?.();
     if (Math.abs(this.pixelScale() - this.drawnScale) > 0.01 || (this.zoom() < LOW_ZOOM) !== this.drawnLow) this.scheduleDraw();
     const now = performance.now();
     if (now - this.themeCheckedAt > 250) {
