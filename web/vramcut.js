@@ -23,6 +23,8 @@ import { api } from "../../scripts/api.js";
 import { answer, refusal } from "./plan/format.js";
 import { lastPayload } from "./plan/payload.js";
 import { PlanView, watchPage } from "./plan/view.js";
+import { COLORS, readTheme } from "./plan/theme.js";
+import { fitText } from "./plan/draw.js";
 
 // Both Max VRAM nodes send the same payload (the second one is for upscale / CLIP vision models).
 const NODE_TYPES = new Set(["VRAMCutMaxVRAM", "VRAMCutMaxVRAMExtras"]);
@@ -128,6 +130,43 @@ function unusedOutputs(node) {
     if (o && !(o.links && o.links.length)) out.push(String(o.type ?? o.name).toUpperCase());
   }
   return out;
+}
+
+/** The answer a collapsed node shows after its title (" · fits 70 % · +12 ms/step"), and its
+ * colour; null when the node is open or has no plan. */
+function collapsedAnswer(node) {
+  const p = node.flags?.collapsed ? node.vramcutView?.payload : null;
+  if (!p?.models?.length) return null;
+  const a = answer(p.models[0], p.budget_bytes, refusal(p));
+  const more = p.models.length > 1 ? ` +${p.models.length - 1}` : "";
+  const theme = readTheme(node.vramcutView.el);
+  return { text: ` · ${a.short}${more}`, color: a.fits ? theme.fits : COLORS.over };
+}
+
+/** Nodes 2.0 draws a node's header in the page (a Vue component showing the title only): the
+ * answer of a collapsed node goes in beside the title there. Until the header is mounted (a
+ * collapse or a load re-renders it) it is looked for again, a few frames at most. */
+function syncVueHeader(node, tries = 0) {
+  if (!globalThis.LiteGraph?.vueNodesMode) return;
+  const title = document.querySelector(`[data-testid="node-header-${node.id}"] [data-testid="node-title"]`);
+  if (!title) {
+    if (tries < 30 && node.flags?.collapsed) requestAnimationFrame(() => syncVueHeader(node, tries + 1));
+    return;
+  }
+  const tail = collapsedAnswer(node);
+  let span = title.querySelector(".vramcut-collapsed-answer");
+  if (!tail) {
+    span?.remove();
+    return;
+  }
+  if (!span) {
+    span = document.createElement("span");
+    span.className = "vramcut-collapsed-answer";
+    Object.assign(span.style, { flex: "0 0 auto", whiteSpace: "nowrap", fontWeight: "600", paddingRight: "4px" });
+    title.append(span);
+  }
+  span.textContent = tail.text.replace(/^ · /, "");
+  span.style.color = tail.color;
 }
 
 /** Adds the plan widget to a new node, with the node's plan methods (fit, details, links, events). */
@@ -261,6 +300,7 @@ app.registerExtension({
       if (!view) return;
       view.setPayload(payload);
       if (payload) seen.set(seenKey(this), payload);
+      syncVueHeader(this);
       // Grow only when the content's height changed since it was last fitted: a node the user
       // made smaller keeps its size through every run that draws the same kind of plan.
       // A plan shown again after a load leaves the saved size alone (and counts as not fitted).
@@ -304,13 +344,43 @@ app.registerExtension({
       return r;
     });
 
-    // Collapsed, the node's title carries the answer.
+    // Collapsed, the node's header carries the answer. getTitle gives it (the host sizes a
+    // collapsed node to its title), and the header is drawn here, because the host draws only
+    // the first 20 characters of a collapsed title: the name, cut first, then the answer in its
+    // verdict's colour.
     chain(proto, "getTitle", function (base) {
       const title = base() ?? this.title;
-      const p = this.flags?.collapsed ? this.vramcutView?.payload : null;
-      if (!p?.models?.length) return title;
-      const more = p.models.length > 1 ? ` +${p.models.length - 1}` : "";
-      return `${title} · ${answer(p.models[0], p.budget_bytes, refusal(p)).short}${more}`;
+      const tail = collapsedAnswer(this);
+      return tail ? `${title}${tail.text}` : title;
+    });
+
+    chain(proto, "collapse", function (base) {
+      const r = base();
+      requestAnimationFrame(() => syncVueHeader(this));
+      return r;
+    });
+
+    chain(proto, "drawTitleText", function (base, ctx, opts) {
+      const tail = collapsedAnswer(this);
+      const LiteGraph = globalThis.LiteGraph;
+      if (!tail || !LiteGraph || this.onDrawTitleText || opts?.low_quality || !ctx) return base();
+      const th = opts?.title_height ?? LiteGraph.NODE_TITLE_HEIGHT;
+      const room = (this._collapsed_width || this.size[0]) - 2 * th;
+      ctx.save();
+      ctx.textAlign = "left";
+      // the host sizes a collapsed node by its title in the node's inner font: where the title
+      // font does not fit that width, the inner one does
+      ctx.font = this.titleFontStyle;
+      if (ctx.measureText(this.getTitle()).width > room + 0.5 && this.innerFontStyle) ctx.font = this.innerFontStyle;
+      const tailW = ctx.measureText(tail.text).width;
+      const name = fitText(ctx, String(this.title || this.constructor.title || ""), room - tailW);
+      const y = LiteGraph.NODE_TITLE_TEXT_Y - th;
+      ctx.fillStyle = this.selected ? LiteGraph.NODE_SELECTED_TITLE_COLOR
+        : this.constructor.title_text_color || opts?.default_title_color || "#999";
+      ctx.fillText(name, th, y);
+      ctx.fillStyle = tail.color;
+      ctx.fillText(tail.text, th + ctx.measureText(name).width, y);
+      ctx.restore();
     });
 
     // Cleanup first, so that a failing handler further down the chain cannot leave the listener.

@@ -1058,3 +1058,86 @@ def test_node_added_from_search_shows_its_guidance(comfy_server, browser):
     png = _node_crop(browser, st["id"], 1.0)
     _save("fresh_node.png", png)
     assert st["area"] + 1 >= st["content"] and st["content"] >= 50, st  # header + the two-line hint
+
+
+# The collapsed node's header box on the page.
+COLLAPSED_BOX_JS = """
+const node = app.graph.getNodeById(arguments[0]);
+const ds = app.canvas.ds, th = LiteGraph.NODE_TITLE_HEIGHT;
+const r = app.canvas.canvas.getBoundingClientRect();
+return {left: r.left + (node.pos[0] + ds.offset[0]) * ds.scale, top: r.top + (node.pos[1] - th + ds.offset[1]) * ds.scale,
+        width: (node._collapsed_width || 0) * ds.scale, height: th * ds.scale, title: node.getTitle()};
+"""
+
+
+def _collapsed_header_png(browser, node_id):
+    from PIL import Image
+
+    b = browser.execute_script(COLLAPSED_BOX_JS, node_id)
+    page = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
+    out = io.BytesIO()
+    page.crop((int(b["left"]) - 4, int(b["top"]) - 4, int(b["left"] + b["width"]) + 5,
+               int(b["top"] + b["height"]) + 5)).save(out, "PNG")
+    return b, out.getvalue()
+
+
+def test_collapsed_node_shows_the_answer(comfy_server, browser):
+    """Collapsed, the header carries the answer on screen (the host draws only 20 characters of
+    a collapsed title: "Max VRAM (VRAMCut) ·" is all it would show)."""
+    s = comfy_server
+    node_id, _ = _run_example(browser, s)
+    browser.execute_script(ZOOM_JS, node_id, 1.0, True)
+    browser.execute_script("const n = app.graph.getNodeById(arguments[0]);"  # clear of the toolbars
+                           "app.canvas.ds.offset = [300 - n.pos[0], 300 - n.pos[1]]; app.canvas.setDirty(true, true);", node_id)
+    time.sleep(0.5)
+    box, png = _collapsed_header_png(browser, node_id)
+    _save("collapsed_node.png", png)
+    browser.execute_script(ZOOM_JS, node_id, 1.0, False)
+    assert " · fits " in box["title"], box
+    assert _count_on_screen(png, FITS_COLOR) > 30, ("the answer is not drawn on the collapsed header", box)
+
+
+VUE_NODES_JS = """
+const [on, done] = arguments;
+(async () => {
+  await app.extensionManager.setting.set("Comfy.VueNodes.Enabled", on);
+  done(!!LiteGraph.vueNodesMode);
+})().catch((e) => done({error: String(e && e.stack || e)}));
+"""
+
+VUE_HEADER_JS = """
+const node = app.graph.nodes.find((n) => n.type === arguments[0]);
+const h = node && document.querySelector(`[data-testid="node-header-${node.id}"]`);
+const s = h && h.querySelector(".vramcut-collapsed-answer");
+if (!s) return null;
+const r = s.getBoundingClientRect(), hr = h.getBoundingClientRect();
+return {text: s.textContent, box: [r.left, r.top, r.width, r.height], header: [hr.left, hr.top, hr.width, hr.height]};
+"""
+
+
+def test_collapsed_node_shows_the_answer_in_nodes_2(comfy_server, browser):
+    """The same in Nodes 2.0 (the header is a Vue component): the answer beside the title,
+    inside the header's box, on screen."""
+    from PIL import Image
+
+    s = comfy_server
+    _run_example(browser, s)
+    try:
+        assert browser.execute_async_script(VUE_NODES_JS, True) is True
+        time.sleep(1.0)
+        browser.execute_script("const n = app.graph.nodes.find((n) => n.type === arguments[0]); n.collapse();"
+                               "app.canvas.setDirty(true, true);", NODE_TYPE)
+        h = _wait(browser, "the answer in the collapsed header", lambda: browser.execute_script(VUE_HEADER_JS, NODE_TYPE))
+        time.sleep(0.5)
+        h = browser.execute_script(VUE_HEADER_JS, NODE_TYPE)
+        assert h["text"].startswith("fits "), h
+        x, y, w, ht = h["box"]
+        hx, hy, hw, hh = h["header"]
+        assert w > 20 and x >= hx - 1 and x + w <= hx + hw + 1 and y >= hy - 1 and y + ht <= hy + hh + 1, h  # not clipped
+        page = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
+        out = io.BytesIO()
+        page.crop((int(hx) - 4, int(hy) - 4, int(hx + hw) + 5, int(hy + hh) + 5)).save(out, "PNG")
+        _save("collapsed_node_nodes2.png", out.getvalue())
+        assert _count_on_screen(out.getvalue(), FITS_COLOR) > 30, h
+    finally:
+        browser.execute_async_script(VUE_NODES_JS, False)

@@ -15,7 +15,7 @@ export const LOW_ZOOM = 0.6;  // LiteGraph draws no text below this scale: the p
 const READABLE_PX = 11;       // on-screen text size the low-zoom view aims for
 export const HEADER_H = 22;   // the header row (the buttons sit in it)
 
-function fitText(ctx, text, maxW) {
+export function fitText(ctx, text, maxW) {
   text = String(text);
   if (maxW <= 0) return "";
   if (ctx.measureText(text).width <= maxW) return text;
