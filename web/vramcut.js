@@ -196,8 +196,11 @@ function attachPlan(node) {
   // Mounted, the widget's own height says how much the node must change; before that (or
   // while the host has not laid out the last change yet) the node's computed size does.
   let lastFit = null;
+  // false while a fit is wanted and not yet seen on screen (vramcutCheckFit looks every frame)
+  let settled = false;
   node.vramcutFit = ({ shrink = false, tries = 0 } = {}) => {
     if (node.flags?.collapsed) return;
+    settled = false;
     const w = Math.max(node.size[0], MIN_NODE_WIDTH);
     const area = view.el.clientHeight;
     if (area > 0 && lastFit && lastFit.h === node.size[1] && lastFit.area === area) {
@@ -232,10 +235,10 @@ function attachPlan(node) {
     node.setDirtyCanvas?.(true, true);
   };
 
-  // A new node is sized by the host before its widgets are laid out (a node added from the
-  // search box gets a second size after our first fit): until the plan area has once been seen
-  // at its content's height, every frame checks it again. A loaded node keeps its saved size.
-  let settled = false;
+  // The host sizes a node again after a fit (a node added from the search box is sized after
+  // our first fit; a plan can arrive before the last size is laid out): until the plan area has
+  // been seen at its content's height, every frame checks it again. A loaded node keeps its
+  // saved size.
   let checked = null;
   node.vramcutSettle = () => {
     settled = true;
@@ -279,7 +282,7 @@ function attachPlan(node) {
   api.addEventListener(EVENT, node.vramcutOnEvent);
 
   if (node.size[0] < MIN_NODE_WIDTH) node.setSize([MIN_NODE_WIDTH, node.size[1]]);
-  requestAnimationFrame(() => node.vramcutFit?.());
+  requestAnimationFrame(() => !settled && node.vramcutFit?.());
 }
 
 app.registerExtension({
