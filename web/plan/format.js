@@ -126,19 +126,27 @@ export function costTip(m) {
   if (!c) return "The added time is not known: this plan came from an older version.";
   const bw = c.bandwidth_bytes_per_s ? `${(c.bandwidth_bytes_per_s / GIB).toFixed(1)} GiB/s` : "not measured";
   const where = c.bandwidth_device === "cpu" ? "a memory copy on this CPU" : `host to ${c.bandwidth_device ?? "device"}`;
+  const per = m.kind === "MODEL" ? "step" : "call";
+  const copies = (n) => `${n} cop${n === 1 ? "y" : "ies"}`;
   const lines = [];
   if (c.added_source === "measured") {
-    lines.push(`Measured over ${c.measured_forwards} forward${c.measured_forwards === 1 ? "" : "s"}: ` +
-      `compute waited ${fmtSeconds(c.measured_s_per_forward)} per forward for copies.`);
-    lines.push(`copies ${fmtSeconds(c.measured_copy_s_per_forward)} · compute ${fmtSeconds(c.measured_compute_s_per_forward)} per forward`);
+    const n = c.measured_forwards;
+    lines.push(`Measured over ${n} ${per}${n === 1 ? "" : "s"} after the measuring one: ` +
+      `compute waited ${fmtSeconds(c.measured_s_per_forward)} per ${per} for copies.`);
+    if (Number.isFinite(c.measured_bytes_per_forward)) {
+      const k = Math.round(c.measured_copies_per_forward * 10) / 10;
+      lines.push(`${fmtBytes(c.measured_bytes_per_forward)} streamed per ${per} in ${copies(k)} · ` +
+        `copying ${fmtSeconds(c.measured_copy_s_per_forward)}, computing ${fmtSeconds(c.measured_compute_s_per_forward)}.`);
+    }
+  } else if (!(c.streamed_bytes_per_forward > 0)) {
+    lines.push("Nothing streams: every block that runs stays on the device, so streaming adds no time.");
   } else {
-    lines.push(`Estimate until a run measures it: ${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward ÷ ${bw}.`);
+    lines.push(`Estimate until a ${per} runs the plan: ${fmtBytes(c.streamed_bytes_per_forward)} streamed per ${per} ÷ ${bw}.`);
+    if (Number.isFinite(c.transfers_per_forward))
+      lines.push(`The plan copies them in ${copies(c.transfers_per_forward)} (adjacent streamed blocks are copied together).`);
   }
-  if (Number.isFinite(c.transfers_per_forward) && c.streamed_bytes_per_forward > 0) {
-    const t = c.transfers_per_forward;
-    lines.push(`${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward in ${t} transfer${t === 1 ? "" : "s"} ` +
-      `(adjacent streamed blocks are copied together).`);
-  }
+  if (c.added_source !== "measured" && m.plan.stats?.forwards)
+    lines.push("The first call only measured the shapes (every block through one slot, once per shape).");
   lines.push(`Bandwidth ${bw} (${where}, measured once on this machine).`);
   return lines.join("\n");
 }
