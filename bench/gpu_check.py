@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 import toys  # noqa: E402
 from vramcut_core import Engine, EngineConfig  # noqa: E402
-from vramcut_core import executor as ex  # noqa: E402
+from vramcut_core.runtime import host_memory as ex  # noqa: E402
 
 NOT = "not measured"
 GB = 1 << 30

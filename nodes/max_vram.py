@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from ..vramcut_core import BudgetError
-from .host import MODES, NodeReport, Settings, VRAMCutError
+from .state import MODES, NodeReport, Settings, VRAMCutError
 from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_model, patch_vae
 
 log = logging.getLogger("vramcut")

@@ -18,7 +18,8 @@ from comfy.patcher_extension import WrappersMP
 
 from ..vramcut_core import find_units
 from . import streams
-from .host import KEY, NodeReport, PatchState, Settings, VRAMCutError, plain_patcher, to_vramcut_patcher
+from .host import plain_patcher, to_vramcut_patcher
+from .state import KEY, NodeReport, PatchState, Settings, VRAMCutError
 
 
 # ----------------------------------------------------------------------------------------------

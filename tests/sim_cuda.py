@@ -617,11 +617,11 @@ def _written(func, args, kwargs) -> list:
 @contextlib.contextmanager
 def simulated_cuda(monkeypatch):
     """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator."""
-    from vramcut_core import executor as ex
+    from vramcut_core.runtime import device_memory, host_memory
 
     sim = SimCuda()
     cpu = torch.device("cpu")
-    orig_host_buffer = ex._host_buffer
+    orig_host_buffer = host_memory._host_buffer
 
     def host_buffer(nbytes):
         sim.host_ctx += 1
@@ -658,8 +658,8 @@ def simulated_cuda(monkeypatch):
             sim.host_ctx -= 1
 
     cuda = torch.cuda
-    monkeypatch.setattr(ex, "_placement", lambda device: cpu)
-    monkeypatch.setattr(ex, "_host_buffer", host_buffer)
+    monkeypatch.setattr(device_memory, "_placement", lambda device: cpu)
+    monkeypatch.setattr(host_memory, "_host_buffer", host_buffer)
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current())

@@ -124,11 +124,7 @@ class _LiveBytesMode(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._seen: set[int] = set()
-        self._ignored: set[int] = set()
         self.check = None  # called with the live bytes after each new storage (may raise)
-
-    def ignore(self, t: torch.Tensor) -> None:
-        self._ignored.add(t.untyped_storage().data_ptr())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -140,7 +136,7 @@ class _LiveBytesMode(TorchDispatchMode):
                 continue
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr in in_ptrs or ptr in self._seen or ptr in self._ignored or ptr == 0:
+            if ptr in in_ptrs or ptr in self._seen or ptr == 0:
                 continue  # a view or an in-place result: no new memory
             n = st.nbytes()
             self._seen.add(ptr)
@@ -192,10 +188,6 @@ class CPUMeter(Meter):
         if self._alias is not None:
             self._alias.__exit__(None, None, None)
             self._alias = None
-
-    @property
-    def active(self) -> bool:
-        return self._mode is not None
 
     def paused(self):
         """Context in which the executor's own copies and allocations are not counted."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fnmatch
 import functools
 
 import torch
@@ -453,7 +452,3 @@ def split_unit(unit: Unit) -> list[Unit] | None:
         return None
     return subs
 
-
-def match_units(units: UnitSet, patterns: list[str]) -> list[str]:
-    """Names of the units matching any of the shell-style ``patterns``."""
-    return [u.name for u in units.units if any(fnmatch.fnmatchcase(u.name, p) for p in patterns)]

@@ -24,15 +24,15 @@ class Counts:
 
     def __init__(self, ex) -> None:
         self.enter = self.swap_in = self.swap_out = self.begin = 0
-        for attr in ("_enter", "_swap_in", "_swap_out", "_begin"):
-            orig = getattr(ex, attr)
+        for owner, attr in ((ex, "_enter"), (ex.binding, "swap_in"), (ex.binding, "swap_out"), (ex, "_begin")):
+            orig = getattr(owner, attr)
             key = attr.strip("_")
 
             def wrapped(*a, _orig=orig, _key=key, **k):
                 setattr(self, _key, getattr(self, _key) + 1)
                 return _orig(*a, **k)
 
-            setattr(ex, attr, wrapped)
+            setattr(owner, attr, wrapped)
 
     def reset(self) -> None:
         self.enter = self.swap_in = self.swap_out = self.begin = 0
@@ -222,11 +222,11 @@ def test_a_new_plan_gives_the_held_weights_back_first():
         with eng.session():
             eng.run(model, small)
             eng.run(model, small)
-            held = eng.executor._held
+            held = eng.executor.binding.held
             assert held is not None
             assert torch.equal(eng.run(model, big), ref_big)  # measured with the weights given back
             assert torch.equal(eng.run(model, big), ref_big)
-            assert eng.executor._held is not held
+            assert eng.executor.binding.held is not held
             assert torch.equal(eng.run(model, small), ref_small)
         assert_unchanged(model, snap)
 
@@ -246,7 +246,7 @@ def test_streamed_forward_hooks_each_unit_it_enters_once():
             plan = eng.last_plan
             streamed = plan.streamed_order
             assert streamed and plan.resident_units, "the budget should stream some units, keep others"
-            assert all(ex._contained[u] for u in streamed)
+            assert all(ex.hooks.contained[u] for u in streamed)
             roots = sum(len(eng._all[u].roots) for u in streamed)
             assert hooks_on(model) == roots, "one hook per root of each streamed unit, none elsewhere"
             for _ in range(3):
@@ -277,8 +277,8 @@ def test_a_unit_whose_modules_run_outside_its_root_keeps_every_hook():
         ex = eng.executor
         with eng.session():
             outs = [eng.run(model, x) for _ in range(4)]
-            assert ex._contained["blocks.2"] is False
-            assert ex._contained["blocks.3"] is True
+            assert ex.hooks.contained["blocks.2"] is False
+            assert ex.hooks.contained["blocks.3"] is True
             peek = eng._all["blocks.2"]
             assert all(len(m._forward_pre_hooks) == 1 for m in peek.hook_modules)
             assert len(model.blocks[3].norm._forward_pre_hooks) == 0
@@ -298,7 +298,7 @@ def test_unet_children_called_directly_keep_hooks_on_their_modules():
         with eng.session():
             outs = [eng.run(model, *args) for _ in range(3)]
             blocks = [u for u in eng.last_plan.streamed_order if u.startswith(("input_blocks.", "output_blocks."))]
-            assert blocks and not any(eng.executor._contained[u] for u in blocks)
+            assert blocks and not any(eng.executor.hooks.contained[u] for u in blocks)
         for o in outs:
             assert torch.equal(o, ref)
         assert_unchanged(model, snap)

@@ -46,6 +46,9 @@ def test_cuda_only_lines(tmp_path):
 
 
 def test_the_executor_has_cuda_only_lines():
-    root = os.path.join(HERE, "..", "..", "vramcut_core")
-    assert len(cbc.cuda_only_lines(os.path.join(root, "executor.py"))) > 50
-    assert len(cbc.cuda_only_lines(os.path.join(root, "measure.py"))) > 5
+    root = os.path.join(HERE, "..", "..")
+    assert {"vramcut_core/executor.py", "vramcut_core/measure.py"} <= set(cbc.FILES)
+    assert all(f.startswith("vramcut_core/") for f in cbc.FILES)
+    assert sum(len(cbc.cuda_only_lines(os.path.join(root, f))) for f in cbc.FILES if "/runtime/" in f
+               or f.endswith("executor.py")) > 50
+    assert len(cbc.cuda_only_lines(os.path.join(root, "vramcut_core", "measure.py"))) > 5

@@ -15,7 +15,7 @@ from sim_cuda import PendingCudaError, simulated_cuda
 from test_executor import cases, ids
 from toys import Boom, ExplodingStack, FluxLike, TransformerStack, seeded
 from vramcut_core import Engine, EngineConfig, find_units
-from vramcut_core import executor as ex
+from vramcut_core.runtime import device_memory, host_memory, transfers
 
 
 @pytest.fixture
@@ -132,24 +132,24 @@ def test_pending_register_error_is_cleared(sim):
 
 
 def test_sim_catches_pending_register_error(sim, monkeypatch):
-    monkeypatch.setattr(ex, "_clear_cuda_error", lambda place: None)
+    monkeypatch.setattr(host_memory, "_clear_cuda_error", lambda place: None)
     with sim.host_memory():
         model = seeded(TransformerStack())
     with torch.no_grad():
         budget = budget_for(model)
         sim.register_error = lambda ptr, size: 2
         eng = cuda_engine(model, budget)
-        for m in list(ex._SHARED_MASTERS.values()):   # the probe's masters: build them again
+        for m in list(host_memory._SHARED_MASTERS.values()):   # the probe's masters: build them again
             m.release()
-        ex._SHARED_MASTERS.clear()
+        host_memory._SHARED_MASTERS.clear()
         eng.executor.forget_units()
         with pytest.raises(PendingCudaError):
             eng.run(model, ids())
 
 
 def test_pinned_bytes_are_capped_and_registration_is_portable(sim, monkeypatch):
-    monkeypatch.setattr(ex.PINNED, "cap", 20_000)
-    monkeypatch.setattr(ex.PINNED, "bytes", 0)
+    monkeypatch.setattr(host_memory.PINNED, "cap", 20_000)
+    monkeypatch.setattr(host_memory.PINNED, "bytes", 0)
     with sim.host_memory(), torch.no_grad():
         model = seeded(TransformerStack())
         x = ids()
@@ -159,12 +159,12 @@ def test_pinned_bytes_are_capped_and_registration_is_portable(sim, monkeypatch):
         with eng.session():
             outs = [eng.run(model, x) for _ in range(2)]
         assert 0 < sum(size for size, _ in sim.registered.values()) <= 20_000
-        assert ex.PINNED.bytes <= 20_000
+        assert host_memory.PINNED.bytes <= 20_000
         assert all(flags & 1 for _, _, flags in sim.register_calls), "cudaHostRegisterPortable"
     assert all(torch.equal(o, ref) for o in outs)
     del eng
     gc.collect()
-    assert not sim.registered and ex.PINNED.bytes == 0
+    assert not sim.registered and host_memory.PINNED.bytes == 0
 
 
 def test_pageable_masters_copy_through_a_staging_buffer(sim):
@@ -319,7 +319,7 @@ def test_sim_catches_compute_not_waiting_for_copy(sim, monkeypatch):
     def no_wait(self, ready):
         pass
 
-    monkeypatch.setattr(ex.SegmentedExecutor, "_order_readers", no_wait)
+    monkeypatch.setattr(transfers.Transfers, "order_readers", no_wait)
     with sim.host_memory(), torch.no_grad():
         model = seeded(TransformerStack())
         x = ids()
@@ -339,7 +339,7 @@ def test_sim_catches_copy_not_waiting_for_compute(sim):
         x = ids()
     with torch.no_grad():
         eng = cuda_engine(model, budget_for(model, x))
-        eng.executor._copy_stream.wait_event = lambda ev: None
+        eng.executor.transfers.copy_stream.wait_event = lambda ev: None
         with eng.session():
             for _ in range(3):
                 eng.run(model, x)
@@ -360,14 +360,14 @@ def test_plan_switch_frees_before_alloc(sim):
         budget = budget_for(model, *args)
         eng = cuda_engine(model, budget)
         seen = []
-        orig = ex.SegmentedExecutor._alloc
+        orig = device_memory.DeviceMemory.alloc
 
         def alloc(self, n):
             buf = orig(self, n)
             seen.append(sim.alloc.allocated)
             return buf
 
-        ex.SegmentedExecutor._alloc = alloc
+        device_memory.DeviceMemory.alloc = alloc
         try:
             base = fresh_peak(sim)
             with eng.session():
@@ -375,7 +375,7 @@ def test_plan_switch_frees_before_alloc(sim):
                     assert torch.equal(eng.run(model, *args), ref)
                 assert torch.equal(eng.run(model, args[0][:1], args[1][:1]), ref1)
         finally:
-            ex.SegmentedExecutor._alloc = orig
+            device_memory.DeviceMemory.alloc = orig
     assert max(seen) - base <= budget
     assert sim.alloc.max_allocated - base <= budget
     reserved_peak_within(sim, budget, base)
@@ -593,9 +593,9 @@ def test_registration_failures_of_every_kind_leave_no_pending_error(sim, how):
         ref = model(x)
     with torch.no_grad():
         budget = budget_for(model, x)
-        for m in list(ex._SHARED_MASTERS.values()):
+        for m in list(host_memory._SHARED_MASTERS.values()):
             m.release()
-        ex._SHARED_MASTERS.clear()
+        host_memory._SHARED_MASTERS.clear()
         eng = cuda_engine(model, budget)
         if how == "raises":
             def boom(ptr, size):
@@ -655,6 +655,24 @@ def test_weights_that_cannot_be_taken_apart_on_the_cuda_branch(sim):
         assert eng.last_plan.streamed_bytes_per_forward > 0
         assert "Wrapped" in sim.recorded_types, "a weight moved as a whole must be announced to the compute stream"
         assert any("Wrapped" in w and "cannot be taken apart" in w for w in eng.last_plan.warnings)
+    assert_restored(model, snap, sim)
+
+
+def test_a_streamed_unit_with_no_plain_tensors_has_no_host_master(sim):
+    """Every weight of the blocks moved as a whole: nothing to put in a flat host master, so
+    none is built (nothing is page-locked for them); bit-equal, no hazard, restored."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(TransformerStack())
+        for m in model.blocks.modules():
+            m._parameters.update({k: Wrapped(t.detach().clone()) for k, t in m._parameters.items() if t is not None})
+        x = ids()
+        ref, snap = model(x), values(model)
+    with torch.no_grad():
+        eng = cuda_engine(model, budget_for(model, x))
+        with eng.session():
+            assert all(torch.equal(eng.run(model, x), ref) for _ in range(3))
+            streamed = [u for u in eng.last_plan.streamed_order if u.startswith("blocks.")]
+            assert streamed and all(eng.executor.masters.get(u) is None for u in streamed)
     assert_restored(model, snap, sim)
 
 
@@ -736,7 +754,7 @@ def test_a_segment_entered_at_its_second_unit_waits_for_the_segment_copy(sim):
 def test_sim_catches_a_segment_copy_whose_later_units_are_not_ordered(sim, monkeypatch):
     """Take the segment's event off every unit but the first: a forward that enters the segment
     at its second unit reads it before its copy is ordered."""
-    orig = ex.SegmentedExecutor._load
+    orig = transfers.Transfers.load
 
     def first_only(self, names, buf, sync):
         out = orig(self, names, buf, sync)
@@ -744,7 +762,7 @@ def test_sim_catches_a_segment_copy_whose_later_units_are_not_ordered(sim, monke
             out[n].ready = None
         return out
 
-    monkeypatch.setattr(ex.SegmentedExecutor, "_load", first_only)
+    monkeypatch.setattr(transfers.Transfers, "load", first_only)
     model, x, eng = skip_first_merged(sim)
     with torch.no_grad():
         with eng.session():

@@ -1,0 +1,267 @@
+"""The shared state of one Max VRAM node's patches: the settings and the budget they give, the
+payload the node shows (live plan events), and ``PatchState``, shared by a patched object and
+all its clones, which owns one engine per module it runs and turns budget errors into the
+node's message. The one rule: a budget that cannot hold a call is a clear error naming what
+does not fit (an out-of-memory error only where the host has a smaller fallback). May call the
+engine, ``lora`` (device merges), ``host_gpu`` and ``streams``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import weakref
+
+import torch
+
+import comfy.model_management as mm
+
+from ..vramcut_core import BudgetError, Engine, EngineConfig
+from ..vramcut_core import bandwidth
+from ..vramcut_core.report import cost_to_json
+from ..vramcut_core.tensors import GIB, fmt_bytes
+from . import streams
+from .errors import VRAMCutError, VRAMCutOOM
+from .host_gpu import host_allocation_pause, host_pinning
+from .lora import DeviceMerge
+
+log = logging.getLogger("vramcut")
+
+KEY = "vramcut"            # wrapper / callback / attachment key
+EVENT = "vramcut.plan"     # server event the web extension listens to
+MODES = ("fixed", "free VRAM minus reserve")
+
+__all__ = ["KEY", "EVENT", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "NodeReport", "PatchState", "state_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    max_vram_gb: float
+    budget_mode: str = "fixed"
+    reserve_gb: float = 1.0
+    prefetch: bool = True
+    residency: bool = True
+
+    def validate(self) -> "Settings":
+        for name in ("max_vram_gb", "reserve_gb"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v):
+                raise VRAMCutError(f"{name} must be a number of GiB, got {v!r}")
+            if v < 0:
+                raise VRAMCutError(f"{name} must not be negative, got {v}")
+        if self.budget_mode not in MODES:
+            raise VRAMCutError(f"budget_mode must be one of {MODES}, got {self.budget_mode!r}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_mode != "fixed" or self.max_vram_gb > 0
+
+    def budget_bytes(self, device: torch.device, free_memory=None) -> int:
+        """The budget in bytes on ``device``: fixed, or the device's free memory less the reserve.
+        ``free_memory(device)`` is what the host could give (its own patcher's answer, which on
+        dynamic-VRAM hosts includes what it would evict); the device's free memory otherwise."""
+        if self.budget_mode == "fixed":
+            b = int(self.max_vram_gb * GIB)
+        else:
+            free = int((free_memory or mm.get_free_memory)(device))
+            b = free - int(self.reserve_gb * GIB)
+            if self.max_vram_gb > 0:
+                b = min(b, int(self.max_vram_gb * GIB))
+            if b <= 0:
+                raise VRAMCutError(f"free VRAM {fmt_bytes(free)} minus reserve {self.reserve_gb} GiB leaves no budget")
+        if b <= 0 and self.budget_mode == "fixed" and self.max_vram_gb > 0:
+            raise VRAMCutError(f"max_vram_gb = {self.max_vram_gb:g} is less than one byte: give the budget in "
+                               f"GiB (6 means 6 GiB), or 0 to turn VRAMCut off")
+        if b <= 0:
+            raise VRAMCutError("the budget must be positive (0 turns VRAMCut off)")
+        return b
+
+
+class NodeReport:
+    """The payload one Max VRAM node shows: one entry per patched model, updated live."""
+
+    def __init__(self, node_id: str | None, settings: Settings) -> None:
+        self.node_id = node_id
+        self.payload: dict = {"budget_bytes": int(settings.max_vram_gb * GIB) if settings.budget_mode == "fixed" else None,
+                              "enabled": settings.enabled, "message": None, "message_level": None,
+                              "models": []}
+        self._index: dict[str, int] = {}
+
+    def set(self, kind: str, engine: Engine, plan=None) -> None:
+        d = engine.describe(plan)
+        # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
+        d["plan"]["cost"] = cost_to_json(d["plan"], bandwidth.host_to_device(engine.config.device))
+        entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
+                 "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
+                 "verify": d.get("verify") or []}
+        if kind in self._index:
+            self.payload["models"][self._index[kind]] = entry
+        else:
+            self._index[kind] = len(self.payload["models"])
+            self.payload["models"].append(entry)
+        self.payload["budget_bytes"] = engine.config.budget_bytes
+        self.send()
+
+    def fail(self, message: str, error: Exception | None = None) -> None:
+        self.payload["message"], self.payload["message_level"] = message, "error"
+        # the budget that would work, when the error knows it (the node offers it as the fix)
+        for key, attr in (("min_budget_bytes", "min_budget_bytes"), ("need_bytes", "need_bytes")):
+            v = getattr(error, attr, None)
+            if isinstance(v, int) and v > 0:
+                self.payload[key] = v
+        self.send()
+
+    def notice(self, message: str) -> None:
+        self.payload["message"], self.payload["message_level"] = message, "notice"
+
+    def send(self) -> None:
+        if self.node_id is None:
+            return
+        try:
+            from server import PromptServer  # ComfyUI's server; absent in plain library use
+            inst = getattr(PromptServer, "instance", None)
+        except Exception:
+            inst = None
+        if inst is not None:
+            try:
+                inst.send_sync(EVENT, {"node": str(self.node_id), "payload": self.payload,
+                                       "prompt_id": getattr(inst, "last_prompt_id", None)})
+            except Exception as e:  # a UI update must never break a run
+                log.debug("vramcut: could not send plan event: %s", e)
+
+
+class PatchState:
+    """Shared by a patched object and all its clones (ComfyUI copies attachments by calling
+    ``on_model_patcher_clone``). Owns one engine per module it runs."""
+
+    def __init__(self, kind: str, settings: Settings, report: NodeReport, pinned: tuple[str, ...] = ()) -> None:
+        self.kind, self.settings, self.report, self.pinned = kind, settings, report, pinned
+        self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
+        self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
+        self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
+        self.free_memory = None  # the host's answer to "how much could you free", where it has one
+        self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
+
+    def on_model_patcher_clone(self):
+        return self
+
+    def engine(self, module: torch.nn.Module, device, keep_buffers: bool | None = None) -> Engine:
+        """The engine for ``module`` on ``device``; ``keep_buffers`` (when given) says whether it
+        holds device buffers between calls until ``release``."""
+        dev = torch.device(device)
+        eng = self._engines.get(module)
+        if eng is None or eng.executor.device != dev:
+            cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
+                               prefetch=self.settings.prefetch, residency=self.settings.residency,
+                               pinned=self.pinned, pin_memory=host_pinning())
+            eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
+            eng.executor.alloc_context = host_allocation_pause()
+            streams.attach(eng, dev)
+            for w in eng.unitset.warnings:
+                log.warning("VRAMCut %s: %s", self.kind, w)
+            self._engines[module] = eng
+        if keep_buffers is not None:
+            eng.keep_buffers(keep_buffers)
+        return eng
+
+    @property
+    def running(self) -> bool:
+        return any(e.executor.running for e in self._engines.values())
+
+    def begin_run(self, *_args, **_kw) -> None:
+        """Start of a sampling run (ON_PRE_RUN): until its cleanup, a model planned all resident
+        keeps its weights swapped in between steps (no hooks, no pointer swaps per step). Outside
+        a run (a node calling the model directly) they go back after every call."""
+        self.in_run = True
+
+    def release(self, *_args, **_kw) -> None:
+        """Give back every device buffer the engines hold (ComfyUI cannot see them)."""
+        self.in_run = False
+        for e in list(self._engines.values()):
+            if not e.executor.running:
+                e.keep_buffers(False)
+                e.release()
+
+    def outside(self, path: str) -> None:
+        """Say on the node (and once in the log) that a call path runs outside the budget."""
+        msg = (f"{self.kind}: {path} runs outside VRAMCut's budget: ComfyUI streams this model's "
+               "weights layer by layer itself (results are the same; memory and speed are ComfyUI's)")
+        if self.report.payload.get("message") != msg:
+            log.warning("VRAMCut: %s", msg)
+        self.report.notice(msg)
+        self.report.send()
+
+    def finish(self, *_args, **_kw) -> None:
+        """End of a run (ComfyUI's cleanup after sampling): release, and show on the node what
+        the run did (forwards, bytes streamed, measured peak)."""
+        self.release()
+        for e in list(self._engines.values()):
+            if e.last_plan is not None and e.stats.forwards and not e.executor.running:
+                self.report.set(self.kind, e, e.last_plan)
+                e.reset_stats()  # the next run reports its own
+
+    def run(self, engine: Engine, fn, *args, sig=None, patcher=None, **kwargs):
+        """Run through the engine, merging ``patcher``'s weight patches into each unit's device
+        copy as it arrives. A budget that cannot hold this call is a plain error naming what does
+        not fit and the smallest budget; it becomes an OOM error only where the host has a
+        fallback that makes the call smaller (tiled VAE, smaller upscale tiles)."""
+        if self.settings.budget_mode != "fixed" and engine not in self._resolved and not engine.executor.running:
+            # "free VRAM minus reserve" is what is free when the model first runs (ComfyUI has
+            # made room for it by then), not when the node ran
+            self._resolved.add(engine)
+            engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device), self.free_memory))
+        merge = DeviceMerge.for_call(patcher, engine.module)
+        key = merge.key if merge is not None else None
+        if self._patches.get(engine, key) != key and not engine.executor.running:
+            engine.release()  # held device copies were merged with other patches
+        self._patches[engine] = key
+        engine.executor.on_loaded = merge
+        try:
+            with merge.host_patches_off() if merge is not None else contextlib.nullcontext():
+                if sig is None:
+                    return engine.run(fn, *args, **kwargs)
+                return engine.run_as(sig, fn, *args, **kwargs)
+        except BudgetError as e:
+            fallback = _host_fallback(self.kind, fn, args)
+            if fallback is False and self.kind == "VAE":
+                msg = (f"VRAMCut: {e}. ComfyUI's tiled fallback would run this VAE call at the same size "
+                       f"(the input is no larger than one tile), so it cannot help: raise max_vram_gb")
+            else:
+                msg = f"VRAMCut: {e}"
+            self.report.fail(msg, e)
+            if fallback:
+                raise VRAMCutOOM(msg) from e
+            raise VRAMCutError(msg) from e
+        except torch.OutOfMemoryError as e:
+            self.report.fail(str(e))
+            raise
+        finally:
+            engine.executor.on_loaded = None
+
+
+# The tile sizes ComfyUI's VAE falls back to after an out-of-memory error (latent units for a
+# decode, pixels for an encode): a call no larger than a tile would be run again at full size.
+_VAE_TILE = {"decode": 64, "encode": 512}
+
+
+def _host_fallback(kind: str, fn, args) -> bool | None:
+    """Whether the host retries this call smaller after an out-of-memory error: True (upscale
+    tiles; a VAE call larger than a tile), False (a VAE call the tiles would not shrink), None
+    (no fallback: sampling, text encoders, CLIP vision)."""
+    if kind == "UPSCALE_MODEL":
+        return True
+    if kind != "VAE":
+        return None
+    tile = _VAE_TILE.get(getattr(fn, "__name__", ""))
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if tile is None or x is None or x.ndim < 4:
+        return True
+    return max(x.shape[-2:]) > tile
+
+
+def state_of(patcher) -> PatchState | None:
+    att = getattr(patcher, "attachments", None) or {}
+    st = att.get(KEY)
+    return st if isinstance(st, PatchState) else None

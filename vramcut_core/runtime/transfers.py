@@ -1,0 +1,269 @@
+"""Transfers: the copy stream, its events, the prefetch order, and which readers wait on which copy.
+
+Owns the side stream copies run on (CUDA), the events of every copy (one per transfer: a
+streamed segment's units are copied one after another between one wait and one event, which all
+of them share), the timing events not yet read, and the map from each unit to the streamed
+segment to prefetch after it. The one rule: every stream that reads a buffer waits on the event
+of the copy that filled it, and a copy into a buffer first waits on the compute stream, so it
+never overwrites weights that queued kernels still read; every synchronisation carries a
+``hazard:`` comment, and the simulated accelerator (tests/sim_cuda.py) fails without it. May
+call torch, ``device_memory`` (to count subclass bytes), ``host_memory`` (masters to copy from)
+and ``binding`` (where a tensor's master is).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Callable
+
+import torch
+
+from .. import quant
+from ..plan import Plan
+from .binding import Binding
+from .device_memory import DeviceCopy, DeviceMemory
+from .host_memory import HostMasters, _HostMaster, staged
+from .layout import quant_views, view
+
+
+def prefetch_order(plan: Plan) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...] | None]]:
+    """``(group_of, next)``: each streamed unit's segment, and the streamed segment to prefetch
+    after each unit, in execution order (wrapping to the first)."""
+    groups = plan.streamed_groups
+    group_of = {n: g for g in groups for n in g}
+    pos = {g: i for i, g in enumerate(groups)}
+    nxt: dict[str, tuple[str, ...] | None] = {}
+    upcoming = groups[0] if groups else None
+    for u in reversed(plan.units):
+        nxt[u.name] = upcoming
+        if u.name in group_of:
+            upcoming = group_of[u.name]
+    # A forward that loops over streamed units (a video VAE, frame by frame) does not start
+    # its next pass at the first group: wrapping there would copy it for nothing (the pass
+    # loads what it enters; the next forward's first group is prefetched after this one).
+    loops = any(u.calls > 1 for u in plan.units if u.name in group_of)
+    for g in groups:
+        last = pos[g] + 1 == len(groups)
+        after = None if len(groups) < 2 or (loops and last) else groups[(pos[g] + 1) % len(groups)]
+        for n in g:
+            nxt[n] = after
+    return group_of, nxt
+
+
+class Transfers:
+    """The copies of one executor's units onto the device, and their ordering."""
+
+    def __init__(self, device: torch.device, memory: DeviceMemory, masters: HostMasters,
+                 binding: Binding, units) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._unit = units
+        self.memory, self.masters, self.binding = memory, masters, binding
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.events: list[tuple[object, object]] = []   # CUDA (start, end) copy events
+        self.waits: list[tuple[object, object]] = []    # CUDA (start, end) of compute waiting
+        self.timing: list[tuple[object, object]] = []   # CUDA (start, end) of forwards not yet timed
+        self.stats = None                               # the running forward's RunStats
+        # Other streams that read the weights while they are swapped in (the host's offload
+        # streams): each waits on the same copy events as the compute stream.
+        self.reader_streams: Callable[[], list] | None = None
+        self.group_of: dict[str, tuple[str, ...]] = {}       # streamed unit -> its segment's units
+        self.next: dict[str, tuple[str, ...] | None] = {}    # unit -> the streamed group to prefetch
+        # Collected without release (an interrupted run, an engine replaced): the device buffers
+        # this executor's copies write go with it.
+        weakref.finalize(self, _drain_cuda, self.copy_stream)
+
+    def plan(self, plan: Plan) -> None:
+        self.group_of, self.next = prefetch_order(plan)
+
+    def drain(self) -> None:
+        """Before the device buffers are freed: every copy and every queued kernel has finished."""
+        if self.cuda:
+            self.copy_stream.synchronize()  # hazard: freeing slots a prefetch is still writing
+            # hazard: freeing buffers that queued kernels on the compute stream still read
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def wait_copies(self) -> None:
+        """Block the host until every copy issued has landed (callers name the hazard)."""
+        if self.cuda:
+            self.copy_stream.synchronize()
+
+    def load(self, names: tuple[str, ...], buf: torch.Tensor, sync: bool) -> dict[str, DeviceCopy]:
+        """Copy the weights of units ``names`` back to back into ``buf`` (subclass tensors next
+        to it): one transfer. On CUDA the copies are issued one after another on the copy stream
+        (from each unit's own host master) between one wait and one event, which every unit's
+        copy shares."""
+        mem = self.memory
+        t0 = time.perf_counter()
+        out: dict[str, DeviceCopy] = {}
+        masters = {n: self.masters.get(n) if n not in mem.resident_names else None for n in names}
+        with mem.pause():
+            stream_ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+            compute = None
+            if self.cuda:
+                compute = torch.cuda.current_stream(self.device)
+                # The slot may still be read by kernels queued on the compute stream (or be
+                # memory the allocator just recycled from them): the copy stream waits for
+                # them, or it would overwrite data in use.
+                ev = torch.cuda.Event()
+                ev.record(compute)
+                ev_start = torch.cuda.Event(enable_timing=True)
+            with stream_ctx:
+                if self.cuda:
+                    # hazard: overwriting a slot that queued kernels (compute or host readers) still read
+                    self.copy_stream.wait_event(ev)
+                    ev_start.record(self.copy_stream)
+                base = 0
+                for name in names:
+                    out[name] = self._copy_unit(name, buf, base, masters[name], compute)
+                    base += mem.layout(name).nbytes
+                if self.cuda:
+                    done = torch.cuda.Event(enable_timing=True)
+                    done.record(self.copy_stream)
+                    for dc in out.values():
+                        dc.ready = done
+                    self.events.append((ev_start, done))
+                    for m in masters.values():
+                        if m is not None:
+                            m.read_by(self.copy_stream, done)
+        other = sum(mem.layout(n).other_bytes for n in names)
+        if other:
+            mem.account(other)
+        st = self.stats
+        if st is not None:
+            st.copies += 1
+            st.bytes_streamed += sum(mem.unit_bytes(n) for n in names if n not in mem.resident_names)
+            if not self.cuda:
+                st.time_copy_s += time.perf_counter() - t0
+        if self.cuda and sync:
+            self.order_readers(done)
+        return out
+
+    def load_resident(self, plan: Plan, stale: bool) -> None:
+        """A buffer and a copy for each unit ``plan`` keeps resident; ``stale``: the host wrote
+        into the masters, the kept copies are copied again."""
+        mem = self.memory
+        for name in plan.resident_units:
+            if name not in mem.resident:
+                buf = mem.alloc(mem.layout(name).nbytes)
+                mem.resident[name] = (buf, self.load((name,), buf, sync=True)[name])
+                del buf
+            elif stale:
+                self._reload_resident(name)
+
+    def _reload_resident(self, name: str) -> None:
+        mem = self.memory
+        buf, dc = mem.resident[name]
+        mem.account(-mem.other_bytes(dc))
+        mem.resident[name] = (buf, self.load((name,), buf, sync=True)[name])
+
+    def into_slot(self, group: tuple[str, ...], slot, sync: bool, swap: bool = True) -> None:
+        """Copy a streamed group (one segment's units) into a slot as one transfer, evicting what
+        it held (nothing is copied back: the host copy is the master). ``swap`` points the units'
+        tensors at the slot right away. The caller has checked the group fits."""
+        mem = self.memory
+        for old in slot.copies:
+            self.binding.swap_out(old)
+        mem.account(-mem.slot_other_bytes(slot))
+        slot.copies = {}
+        slot.copies = self.load(group, slot.buf, sync=sync)
+        if swap:
+            for n, dc in slot.copies.items():
+                self.binding.swap_in(n, dc)
+
+    def _copy_unit(self, name: str, buf: torch.Tensor, base: int, master: _HostMaster | None,
+                   compute) -> DeviceCopy:
+        """Issue the copies of one unit's weights into ``buf`` from byte ``base`` (on CUDA on the
+        copy stream, which the caller has made current; ``compute`` is the stream that reads)."""
+        unit, lay, place = self._unit(name), self.memory.layout(name), self.memory.place
+        dc = DeviceCopy()
+        dc.unit = name
+        src_buf, async_ok = None, False
+        if master is not None and lay.nbytes:
+            # a pageable master would make the copy wait for the compute stream on the host
+            src_buf, async_ok = (master.buf, True) if master.pinned else staged(master.buf, place)
+        if src_buf is not None:
+            buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
+            for i, off, n in lay.flat:
+                dc.views[i] = view(buf, base + off, n, unit.tensors[i].tensor)
+            for i, spans in lay.quant.items():
+                dc.parts[i] = quant_views(buf, unit.tensors[i].tensor, spans, base)
+        else:
+            for i, off, n in lay.flat:
+                src = self.binding.host(name, i)
+                v = view(buf, base + off, n, src)
+                v.copy_(src, non_blocking=self.cuda)
+                dc.views[i] = v
+            for i, spans in lay.quant.items():
+                t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
+                views = quant_views(buf, t, spans, base)
+                for v, p in zip(views, quant.parts(t)):
+                    v.copy_(p, non_blocking=self.cuda)
+                dc.parts[i] = views
+        for i in lay.other:
+            src = self.binding.host(name, i)
+            dev = src.to(place, non_blocking=self.cuda, copy=True)
+            if self.cuda:
+                # allocated on the copy stream, used on the compute stream: keep the
+                # allocator from reusing it before compute is done with it
+                dev.record_stream(compute)
+            dc.views[i] = dev
+        return dc  # a staging buffer goes back to torch's host cache (reused after the copy)
+
+    def order_readers(self, ready) -> None:
+        """Every stream that reads the weights waits for the copy that put them there."""
+        # hazard: compute reading a buffer before its copy has landed
+        torch.cuda.current_stream(self.device).wait_event(ready)
+        if self.reader_streams is not None:
+            for s in self.reader_streams():
+                s.wait_event(ready)  # hazard: a host offload stream casting a weight not yet copied
+
+    def order_entry(self, dc: DeviceCopy, group: dict[str, DeviceCopy]) -> None:
+        """Entering a prefetched unit: compute waits for its copy, once for the whole group."""
+        if self.cuda and dc.ready is not None:
+            ready = dc.ready
+            # compute must not read the slot before its copy has landed
+            if not ready.query():
+                a = self.cuda_mark()
+                self.order_readers(ready)
+                self.waits.append((a, self.cuda_mark()))
+            for c in group.values():  # one event for the group: ordered for all of it
+                c.ready = None
+
+    def cuda_mark(self):
+        """A timing event on the compute stream (None on CPU)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def collect_cuda_times(self, stats, start_ev, end_ev) -> None:
+        """Copy, wait and compute times of the events that have completed (nothing is waited for
+        here: the CPU runs ahead into the next forward; the others are timed when a later forward
+        ends). The copy stream is not waited for: the prefetch for the next forward keeps
+        running, and copies still in flight are counted when they have landed."""
+        done, pending = [], []
+        for pair in self.events:
+            (done if pair[1].query() else pending).append(pair)
+        self.events = pending
+        stats.time_copy_s = sum(a.elapsed_time(b) for a, b in done) / 1e3
+        waited = [p for p in self.waits if p[1].query()]
+        self.waits = [p for p in self.waits if p not in waited]
+        stats.time_wait_s += sum(a.elapsed_time(b) for a, b in waited) / 1e3
+        if start_ev is not None:
+            self.timing.append((start_ev, end_ev))
+        timed = [p for p in self.timing if p[1].query()]
+        self.timing = [p for p in self.timing if p not in timed]
+        total = sum(a.elapsed_time(b) for a, b in timed) / 1e3
+        stats.time_compute_s = max(0.0, total - stats.time_wait_s)
+
+    def forget_times(self) -> None:
+        self.events.clear()
+        self.timing.clear()
+
+
+def _drain_cuda(copy_stream) -> None:
+    if copy_stream is not None:
+        copy_stream.synchronize()  # hazard: buffers freed with this executor while copies write them
