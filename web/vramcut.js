@@ -20,7 +20,7 @@
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { answer, refusal } from "./plan/format.js";
+import { answer, refusalFor } from "./plan/format.js";
 import { lastPayload } from "./plan/payload.js";
 import { PlanView, watchPage } from "./plan/view.js";
 import { COLORS, readTheme } from "./plan/theme.js";
@@ -137,7 +137,7 @@ function unusedOutputs(node) {
 function collapsedAnswer(node) {
   const p = node.flags?.collapsed ? node.vramcutView?.payload : null;
   if (!p?.models?.length) return null;
-  const a = answer(p.models[0], p.budget_bytes, refusal(p));
+  const a = answer(p.models[0], p.budget_bytes, refusalFor(p, p.models[0]));
   const more = p.models.length > 1 ? ` +${p.models.length - 1}` : "";
   const theme = readTheme(node.vramcutView.el);
   return { text: ` · ${a.short}${more}`, color: a.fits ? theme.fits : COLORS.over };

@@ -1167,3 +1167,24 @@ def test_cost_after_a_run_is_the_plans_not_the_measuring_pass(comfy_server, brow
     assert "Nothing streams" in tip and "only measured the shapes" in tip and not re.search(r"\d+ cop(y|ies)", tip), tip
     time.sleep(0.3)
     _save("all_resident_node.png", _node_crop(browser, cut, 1.0))
+
+
+def test_refusal_names_the_model_and_reads_as_a_name(comfy_server, browser):
+    """The refused model is marked in the payload; ComfyUI's error panel gets the exception by
+    name (not the pack's folder path) and a message that leads with the fix."""
+    s = comfy_server
+    _open(browser, s)
+    ids = browser.execute_async_script(BUILD_VAE_GRAPH_JS, s.sd_vae, REFUSED_BUDGET_GB, 1301)
+    assert "error" not in ids, ids["error"]
+    browser.execute_script("const n = app.graph.nodes.find((n) => n.type === 'EmptyLatentImage');"
+                           "n.widgets[0].value = 512; n.widgets[1].value = 512;")
+    browser.execute_script("window.__vramcutErrors = []; (async () => { const { api } = await import('/scripts/api.js');"
+                           "api.addEventListener('execution_error', (e) => window.__vramcutErrors.push(e.detail)); })();")
+    time.sleep(0.3)
+    assert browser.execute_async_script(QUEUE_JS, [ids["decode"], ids["preview"]], 0) is True
+    _wait_events(browser, ids["cut"], "execution_error", "execution_success")
+    err = _wait(browser, "the error event", lambda: (e := browser.execute_script("return window.__vramcutErrors")) and e[0])
+    assert err["exception_type"] == "vramcut.VRAMCutError", err["exception_type"]
+    assert re.match(r"Max VRAM: set max_vram_gb to at least \d+\.\d+\. ", err["exception_message"]), err["exception_message"]
+    raw = browser.execute_script("return app.graph.getNodeById(arguments[0]).vramcutView.raw", ids["cut"])
+    assert [m.get("refused") for m in raw["models"]] == [True], raw

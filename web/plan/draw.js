@@ -8,7 +8,7 @@
 // and do nothing at import (ComfyUI also loads this file on its own as an extension script).
 
 import { isIdle, isStreamed, asArray, summarize } from "./payload.js";
-import { answer, costTip, fmtBytes, gib, gibText, refusal, sharedPrefix, shortSegmentName } from "./format.js";
+import { answer, costTip, fmtBytes, gib, gibText, refusal, refusalFor, sharedPrefix, shortSegmentName } from "./format.js";
 import { COLORS } from "./theme.js";
 
 export const LOW_ZOOM = 0.6;  // LiteGraph draws no text below this scale: the plan keeps its answer
@@ -114,8 +114,7 @@ export function render(ctx, payload, W, theme, paint, opts = {}) {
     if (!payload) drawNoPlan(pen);
     else {
       drawMessages(pen, payload, details);
-      const refused = refusal(payload);
-      payload.models.forEach((m, idx) => drawModel(pen, m, idx, payload.budget_bytes, details, refused));
+      payload.models.forEach((m, idx) => drawModel(pen, m, idx, payload.budget_bytes, details, refusalFor(payload, m)));
       if (details && payload.models.length) drawLegend(pen, payload);
     }
   }
@@ -135,9 +134,8 @@ function drawZoomedOut(pen, payload, zoom, unused) {
   else {
     if (payload.message && payload.message_level !== "notice") line(`! ${refusal(payload)?.fix ?? payload.message}`, COLORS.message);
     if (unused.length) line(`⚠ ${unused.join(", ")} output unused`, theme.warning);
-    const refused = refusal(payload);
     for (const m of payload.models) {
-      const a = answer(m, payload.budget_bytes, refused);
+      const a = answer(m, payload.budget_bytes, refusalFor(payload, m));
       line(a.short, a.fits ? theme.fits : COLORS.over);
     }
     if (!payload.models.length && payload.message) line(payload.message, theme.muted);

@@ -113,6 +113,14 @@ export function refusal(payload) {
   return { need, exact: min !== null, fix: budgetFix(payload), message: payload.message };
 }
 
+/** The refusal that concerns model `m`: Python marks the refused model (`refused`); a payload
+ * that marks none (an error outside a model's call) concerns them all. */
+export function refusalFor(payload, m) {
+  const r = refusal(payload);
+  if (!r) return null;
+  return m.refused || !payload.models.some((x) => x.refused) ? r : null;
+}
+
 function refusedAnswer(m, payloadBudget, r) {
   const budget = Number(m.plan.budget_bytes ?? payloadBudget ?? 0);
   const vram = r.need ? `needs ${r.exact ? "" : "> "}${gibText(r.need)} / ${gib(budget)} GiB` : `${gib(budget)} GiB refused`;
@@ -156,7 +164,7 @@ export function allText(payload) {
   const parts = [];
   if (payload.message) parts.push(`!! ${payload.message}`);
   for (const m of payload.models) {
-    let t = `${m.label}\n${answer(m, payload.budget_bytes, refusal(payload)).line}\n\n${m.text || ""}`;
+    let t = `${m.label}\n${answer(m, payload.budget_bytes, refusalFor(payload, m)).line}\n\n${m.text || ""}`;
     if (m.signature) t += `\ninput: ${m.signature}`;
     parts.push(t);
   }

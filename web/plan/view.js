@@ -9,7 +9,7 @@
 // `app` comes in as an argument (its scripts/app.js is one folder further away from here).
 
 import { normalizePayload, summarize } from "./payload.js";
-import { allText, answer, refusal } from "./format.js";
+import { allText, answer, refusal, refusalFor } from "./format.js";
 import { HEADER_H, LOW_ZOOM, render } from "./draw.js";
 import { COLORS, FONT_FALLBACK, readTheme } from "./theme.js";
 
@@ -234,7 +234,7 @@ export class PlanView {
     else delete d.fix;
     d.state = refused ? "refused" : this.payload ? "plan" : "none";
     d.warnings = String((this.payload?.models ?? []).reduce((n, m) => n + m.warnings.length, 0));
-    d.answers = (this.payload?.models ?? []).map((m) => answer(m, this.payload.budget_bytes, refused).line).join("\n");
+    d.answers = (this.payload?.models ?? []).map((m) => answer(m, this.payload.budget_bytes, refusalFor(this.payload, m)).line).join("\n");
     d.unused = this.unused.join(",");
   }
 
