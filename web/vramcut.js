@@ -120,14 +120,27 @@ async function planFromHistory(node) {
 
 // ---------------------------------------------------------------------------------- the node
 
-/** Names of the outputs whose matching input is connected while they themselves lead nowhere. */
+/**
+ * Names of the outputs whose model is used elsewhere unpatched: the matching input is connected,
+ * its source also feeds other nodes, and this node's output leads nowhere (the plan never
+ * applies). A node that is the model's only user is a preview (the plan-preview example), and a
+ * node with VRAMCut off patches nothing: neither is warned.
+ */
 function unusedOutputs(node) {
   const out = [];
+  const graph = node.graph;
+  const budget = node.widgets?.find((w) => w.name === "max_vram_gb");
+  const mode = node.widgets?.find((w) => w.name === "budget_mode");
+  if (budget && Number(budget.value) === 0 && (!mode || mode.value === "fixed")) return out;
   for (const input of node.inputs ?? []) {
     if (input.link === null || input.link === undefined) continue;
     const o = (node.outputs ?? []).find((x) => x.name === input.name) ??
       (node.outputs ?? []).find((x) => x.type === input.type);
-    if (o && !(o.links && o.links.length)) out.push(String(o.type ?? o.name).toUpperCase());
+    if (!o || (o.links && o.links.length)) continue;
+    const link = graph?.links?.get?.(input.link) ?? graph?.links?.[input.link];
+    const src = link ? graph.getNodeById(link.origin_id) : null;
+    const srcLinks = src?.outputs?.[link.origin_slot]?.links ?? [];
+    if (srcLinks.some((id) => id !== input.link)) out.push(String(o.type ?? o.name).toUpperCase());
   }
   return out;
 }
@@ -344,6 +357,8 @@ app.registerExtension({
     chain(proto, "onConnectionsChange", function (base) {
       const r = base();
       this.vramcutCheckLinks?.();
+      // once the change is complete (a link replaced is removed here before the new one exists)
+      requestAnimationFrame(() => this.vramcutCheckLinks?.());
       return r;
     });
 

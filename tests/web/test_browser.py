@@ -1225,3 +1225,33 @@ def test_decodes_after_the_measuring_one_show_their_measured_cost(comfy_server, 
     # copies: the executor counts one more per call than the plan's transfers_per_forward on this
     # VAE (4 against 3), a question for the executor; the tooltip quotes the measured count
     assert plan["cost"]["measured_copies_per_forward"] >= plan["transfers_per_forward"], plan["cost"]
+
+
+OPEN_EXAMPLE_JS = """
+const [url, done] = arguments;
+(async () => {
+  const wf = await (await fetch(url)).json();
+  await app.loadGraphData(wf, true, true, url.split("/").pop().replace(/\\.json$/, ""));
+  app.canvas.ds.scale = 1;
+  app.canvas.ds.offset = [20, 50];
+  app.canvas.setDirty(true, true);
+  const cut = app.graph.nodes.find((n) => n.type === "%(node)s");
+  done({id: cut.id, saved: wf.nodes.find((n) => n.type === "%(node)s").size});
+})().catch((e) => done({error: String(e && e.stack || e)}));
+""" % {"node": NODE_TYPE}
+
+
+def test_plan_preview_example_opens_without_a_warning(comfy_server, browser):
+    """The plan-preview example: the node is the model's only user (a preview), so no
+    "not connected" warning; the warning stays for a model used elsewhere unpatched (see
+    test_unused_output_is_warned_on_the_node)."""
+    s = comfy_server
+    _open(browser, s)
+    url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
+    r = browser.execute_async_script(OPEN_EXAMPLE_JS, url)
+    assert "error" not in r, r["error"]
+    time.sleep(1.0)
+    d = _node_state(browser, r["id"])["data"]
+    assert d.get("unused", "") == "", d
+    warn = {"warning": ("#facc15", COLOR_TOLERANCE)}
+    assert browser.execute_script(NODE_PIXELS_JS, r["id"], warn)["warning"] == 0

@@ -110,10 +110,13 @@ export function render(ctx, payload, W, theme, paint, opts = {}) {
   if (zoom < LOW_ZOOM) drawZoomedOut(pen, payload, zoom, unused);
   else {
     drawHeader(pen, payload, reserveRight);
-    if (unusedText) drawBanner(pen, unusedText, theme.warning, details);
-    if (!payload) drawNoPlan(pen);
-    else {
+    if (!payload) {
+      if (unusedText) drawBanner(pen, unusedText, theme.warning, details);
+      drawNoPlan(pen);
+    } else {
       drawMessages(pen, payload, details);
+      // below an error: the error is what stopped the run
+      if (unusedText && payload.enabled) drawBanner(pen, unusedText, theme.warning, details);
       payload.models.forEach((m, idx) => drawModel(pen, m, idx, payload.budget_bytes, details, refusalFor(payload, m)));
       if (details && payload.models.length) drawLegend(pen, payload);
     }
