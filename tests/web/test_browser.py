@@ -700,7 +700,7 @@ const [nodeId, save] = arguments;
 const wf = app.extensionManager && app.extensionManager.workflow && app.extensionManager.workflow.activeWorkflow;
 const ct = wf && wf.changeTracker;
 if (!ct) return {error: "no change tracker on app.extensionManager.workflow.activeWorkflow"};
-ct.checkState();
+if (typeof ct.captureCanvasState === "function") ct.captureCanvasState(); else ct.checkState();
 if (save) {  // what saving does to the tracker: the current state becomes the saved one
   ct.reset();
   wf.isModified = false;
@@ -965,6 +965,8 @@ def test_drag_on_the_plan_moves_the_node(comfy_server, browser):
     q = browser.execute_script(POINT_JS)
     moved = [(q["pos"][i] - p["pos"][i]) * p["scale"] for i in (0, 1)]
     assert abs(moved[0] - 80) <= 4 and abs(moved[1] - 40) <= 4, (p, q)
+    deprecated = [e["message"] for e in browser.get_log("browser") if "checkState() is deprecated" in e["message"]]
+    assert not deprecated, deprecated
 
     actions = ActionBuilder(browser)
     actions.pointer_action.move_to_location(int(q["x"]), int(q["y"])).context_click()
@@ -1255,3 +1257,26 @@ def test_plan_preview_example_opens_without_a_warning(comfy_server, browser):
     assert d.get("unused", "") == "", d
     warn = {"warning": ("#facc15", COLOR_TOLERANCE)}
     assert browser.execute_script(NODE_PIXELS_JS, r["id"], warn)["warning"] == 0
+
+
+def test_opening_and_running_an_example_leaves_it_unchanged(comfy_server, browser):
+    """The plan-preview example opened (no resize on load: no change, no undo step), pointed at
+    the tiny model and saved, then run: the plan fits the saved height, still unchanged."""
+    s = comfy_server
+    _open(browser, s)
+    url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
+    r = browser.execute_async_script(OPEN_EXAMPLE_JS, url)
+    assert "error" not in r, r["error"]
+    time.sleep(1.0)
+    opened = browser.execute_script(TRACKER_JS, r["id"], False)
+    assert not opened["modified"] and opened["undo"] == 0, opened
+    assert opened["size"] == r["saved"], (opened, r)
+    browser.execute_script("""const n = app.graph.nodes.find((n) => n.type === "UNETLoader");
+      n.widgets.find((w) => w.name === "unet_name").value = arguments[0];""", s.tiny_model)
+    saved = browser.execute_script(TRACKER_JS, r["id"], True)
+    browser.execute_async_script("const done = arguments[0]; app.queuePrompt(0).then(() => done(true));")
+    _wait(browser, "the plan to be drawn", lambda: _plan_drawn(browser))
+    time.sleep(1.0)
+    _save("example_preview_run.png", _node_crop(browser, r["id"], 1.0))
+    after = browser.execute_script(TRACKER_JS, r["id"], False)
+    assert not after["modified"] and after["undo"] == saved["undo"] and after["size"] == saved["size"], (saved, after)

@@ -389,7 +389,10 @@ export class PlanView {
       }
       ev.stopPropagation();
       // the workflow changed like any node move (the change tracker sees it now, with an undo step)
-      this.app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+      // (captureCanvasState on newer frontends, where checkState is deprecated)
+      const ct = this.app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
+      if (typeof ct?.captureCanvasState === "function") ct.captureCanvasState();
+      else ct?.checkState?.();
     };
     el.addEventListener("pointermove", move, true);
     el.addEventListener("pointerup", up, true);
