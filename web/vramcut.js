@@ -175,7 +175,7 @@ function syncVueHeader(node, tries = 0) {
   if (!span) {
     span = document.createElement("span");
     span.className = "vramcut-collapsed-answer";
-    Object.assign(span.style, { flex: "0 0 auto", whiteSpace: "nowrap", fontWeight: "600", paddingRight: "4px" });
+    Object.assign(span.style, { flex: "0 0 auto", whiteSpace: "nowrap", fontWeight: "600", marginLeft: "0.5em", paddingRight: "4px" });
     title.append(span);
   }
   span.textContent = tail.text.replace(/^ · /, "");

@@ -991,6 +991,15 @@ def _wait_events(browser, node_id, *types, timeout=PROMPT_TIMEOUT_S):
         timeout=timeout)
 
 
+def _close_error_dialog(browser):
+    """Older frontends answer a failed run with a modal dialog over the graph: close it."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(browser).send_keys("\ue00c").perform()  # Escape
+    time.sleep(0.3)
+    browser.execute_script("document.querySelectorAll('.p-dialog-mask').forEach((e) => e.remove())")
+
+
 def test_refusal_is_the_node_state(comfy_server, browser):
     """A decode the budget cannot hold: the node shows the refusal, not the estimate drawn before
     the run (no green "fits" anywhere on it), and leads with the fix, the number the error names."""
@@ -1013,6 +1022,7 @@ def test_refusal_is_the_node_state(comfy_server, browser):
     assert not named or named == [fix.group(2)], (d["fix"], d["message"])
     (line,) = d["answers"].split("\n")
     assert line.startswith(f"refused · needs {fix.group(2)} / "), line
+    _close_error_dialog(browser)
     time.sleep(0.3)
     png = _node_crop(browser, cut, 1.0)
     _save("refused_node.png", png)
