@@ -154,7 +154,8 @@ function drawHeader(pen, payload, reserveRight) {
   pen.text(head, 0, pen.y + 10, theme.strong, pen.font(13, 700));
   if (payload) {
     const s = summarize(payload);
-    const budget = payload.budget_bytes != null ? `${gib(payload.budget_bytes)} GiB per model` : "budget: free VRAM less reserve";
+    const budget = !payload.enabled ? "off" : payload.budget_bytes != null ? `${gib(payload.budget_bytes)} GiB per model`
+      : "budget: free VRAM less reserve";
     ctx.font = pen.font(12);
     const sub = fitText(ctx, s.models > 1 ? `${budget} · ${s.models} models` : budget, W - headW - 10 - reserveRight);
     pen.text(sub, headW + 8, pen.y + 10, theme.muted, pen.font(12));
