@@ -12,3 +12,9 @@ class VRAMCutError(ValueError):
 class VRAMCutOOM(torch.cuda.OutOfMemoryError):
     """Raised when the budget cannot hold a call's activations, so that ComfyUI's own
     out-of-memory fallbacks (tiled VAE decode/encode, smaller upscale tiles) take over."""
+
+
+# ComfyUI names an exception by its module path, and this pack's modules are named after its
+# folder ("ComfyUI-VRAMCut.nodes.errors.VRAMCutError" in the error panel): read as a name instead.
+for _cls in (VRAMCutError, VRAMCutOOM):
+    _cls.__module__ = "vramcut"

@@ -19,6 +19,7 @@ import comfy.model_management as mm
 
 from ..vramcut_core import BudgetError, Engine, EngineConfig
 from ..vramcut_core import bandwidth
+from ..vramcut_core.plan import gib_text
 from ..vramcut_core.report import cost_to_json
 from ..vramcut_core.tensors import GIB, fmt_bytes
 from . import streams
@@ -104,8 +105,12 @@ class NodeReport:
         self.payload["budget_bytes"] = engine.config.budget_bytes
         self.send()
 
-    def fail(self, message: str, error: Exception | None = None) -> None:
+    def fail(self, message: str, error: Exception | None = None, kind: str | None = None) -> None:
+        """The node's state becomes the error; ``kind``: the model whose call was refused (its
+        entry is marked ``refused``, so the node does not show the plan drawn before the run)."""
         self.payload["message"], self.payload["message_level"] = message, "error"
+        if kind in self._index:
+            self.payload["models"][self._index[kind]]["refused"] = True
         # the budget that would work, when the error knows it (the node offers it as the fix)
         for key, attr in (("min_budget_bytes", "min_budget_bytes"), ("need_bytes", "need_bytes")):
             v = getattr(error, attr, None)
@@ -232,10 +237,14 @@ class PatchState:
         self._patches[engine] = key
         engine.executor.on_loaded = merge
         try:
+            steady = engine.steady_stats.forwards
             with merge.host_patches_off() if merge is not None else contextlib.nullcontext():
-                if sig is None:
-                    return engine.run(fn, *args, **kwargs)
-                return engine.run_as(sig, fn, *args, **kwargs)
+                out = engine.run(fn, *args, **kwargs) if sig is None else engine.run_as(sig, fn, *args, **kwargs)
+            if self.kind != "MODEL" and engine.steady_stats.forwards > steady and not engine.executor.running:
+                # an encode / decode that ran the plan: the node shows its measured cost (sampling
+                # shows it once, at the end of the run: `finish`)
+                self.report.set(self.kind, engine, engine.last_plan)
+            return out
         except BudgetError as e:
             fallback = _host_fallback(self.kind, fn, args)
             if fallback is False and self.kind == "VAE":
@@ -243,10 +252,14 @@ class PatchState:
                        f"(the input is no larger than one tile), so it cannot help: raise max_vram_gb")
             else:
                 msg = f"VRAMCut: {e}"
-            self.report.fail(msg, e)
+            self.report.fail(msg, e, kind=self.kind)
+            # the error panel leads with the fix, the number the node shows
+            lead = msg
+            if getattr(e, "min_budget_bytes", None):
+                lead = f"Max VRAM: set max_vram_gb to at least {gib_text(e.min_budget_bytes)}. {msg}"
             if fallback:
-                raise VRAMCutOOM(msg) from e
-            raise VRAMCutError(msg) from e
+                raise VRAMCutOOM(lead) from e
+            raise VRAMCutError(lead) from e
         except torch.OutOfMemoryError as e:
             self.report.fail(str(e))
             raise

@@ -92,6 +92,7 @@ class Engine:
         self.last_signature: tuple | None = None
         self.stats = RunStats()
         self.last_stats: RunStats | None = None
+        self.steady_stats = RunStats()  # the forwards that ran a plan (not the measuring ones)
         self.verify_results: list[dict] = []
 
     # -- units (the planner owns them) ------------------------------------------------------
@@ -284,6 +285,7 @@ class Engine:
         plan = self._steady(sig, plan)
         out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
         self._record(plan, sig, stats)
+        self.steady_stats.add(stats)
         if stats.peak_device_bytes > self.config.budget_bytes and sig not in self._replanned:
             # the host or the input behaved differently from the measured forward: measure the
             # next forward again and plan from the larger figures, once (a plan must stay stable)
@@ -338,6 +340,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.stats = RunStats()
+        self.steady_stats = RunStats()
 
     def _record(self, plan: Plan, sig: tuple, stats: RunStats) -> None:
         self.last_plan, self.last_signature, self.last_stats = plan, sig, stats
@@ -356,11 +359,13 @@ class Engine:
             "trace_reason": (self.traces[sig].reason if sig in self.traces else None) if sig else None,
             "signature": describe_signature(sig) if sig else None,
             "warnings": list(plan.warnings),
-            "text": plan_to_text(plan, stats=self.stats if plan.measured else None) + "".join(
+            "text": plan_to_text(plan, stats=self.stats if plan.measured else None,
+                                 steady=self.steady_stats if plan.measured else None) + "".join(
                 f"\nverify {r['signature']}: " + (f"could not run the unpatched forward ({r['error']})" if r["error"]
                                                   else f"max |segmented - unpatched| = {r['max_abs_diff']:g}")
                 for r in self.verify_results),
-            "plan": plan_to_json(plan, self.stats if plan.measured else None),
+            "plan": plan_to_json(plan, self.stats if plan.measured else None,
+                                 self.steady_stats if plan.measured else None),
             "verify": list(self.verify_results),
         }
 

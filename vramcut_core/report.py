@@ -34,8 +34,9 @@ class RunStats:
         return dataclasses.asdict(self)
 
 
-def plan_to_json(plan: Plan, stats: RunStats | None = None) -> dict:
-    """Keys are read by tools and the UI: keep them stable."""
+def plan_to_json(plan: Plan, stats: RunStats | None = None, steady: RunStats | None = None) -> dict:
+    """Keys are read by tools and the UI: keep them stable. ``stats``: every forward of the run,
+    the measuring one included; ``steady``: the forwards after it, which run the plan."""
     out = {
         "budget_bytes": plan.budget_bytes,
         "peak_bytes": plan.peak_bytes,
@@ -65,6 +66,8 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None) -> dict:
     }
     if stats is not None:
         out["stats"] = stats.to_json()
+    if steady is not None:
+        out["steady_stats"] = steady.to_json()
     return out
 
 
@@ -73,14 +76,16 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
     the time streaming adds per forward (one sampling step runs one forward per batch).
 
     ``plan_json`` is ``plan_to_json``'s output (its ``stats`` when a run measured them);
-    ``bandwidth`` is ``bandwidth.host_to_device``'s answer. The added time is *measured* when the
-    plan carries stats (the time compute waited on copies, per forward; on CPU the copies are
-    synchronous, so that is the copy time), else *estimated* as streamed bytes / bandwidth, else
-    None (no bandwidth known). ``transfers_per_forward`` counts the copies those bytes take (a
+    ``bandwidth`` is ``bandwidth.host_to_device``'s answer. The added time is *measured* when
+    forwards ran the plan (its ``steady_stats``: the measuring forward streams every block through
+    one slot, once per shape, and is left out; the time compute waited on copies, per forward; on
+    CPU the copies are synchronous, so that is the copy time), else *estimated* as streamed bytes /
+    bandwidth, else None (no bandwidth known). A plan from an older version, without
+    ``steady_stats``, is measured by its ``stats``. ``transfers_per_forward`` counts the copies those bytes take (a
     streamed segment is one copy; None for a plan from an older version)."""
     segs = plan_json.get("segments") or []
     streamed = [s for s in segs if not s.get("resident") and not s.get("idle")]
-    stats = plan_json.get("stats") or {}
+    stats = (plan_json["steady_stats"] if "steady_stats" in plan_json else plan_json.get("stats")) or {}
     forwards = int(stats.get("forwards") or 0)
     bps = (bandwidth or {}).get("bytes_per_s")
     sbytes = int(plan_json.get("streamed_bytes_per_forward") or 0)
@@ -99,8 +104,12 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
         "measured_s_per_forward": None,
         "measured_copy_s_per_forward": None,
         "measured_compute_s_per_forward": None,
+        "measured_bytes_per_forward": None,
+        "measured_copies_per_forward": None,
     }
     if forwards:
+        out["measured_bytes_per_forward"] = int(stats.get("bytes_streamed", 0)) / forwards
+        out["measured_copies_per_forward"] = int(stats.get("copies", 0)) / forwards
         out["measured_s_per_forward"] = float(stats.get("time_wait_s", 0.0)) / forwards
         out["measured_copy_s_per_forward"] = float(stats.get("time_copy_s", 0.0)) / forwards
         out["measured_compute_s_per_forward"] = float(stats.get("time_compute_s", 0.0)) / forwards
@@ -113,8 +122,10 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
     return out
 
 
-def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None) -> str:
-    """A fixed-width table: one row per segment, then the totals."""
+def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
+                 steady: RunStats | None = None) -> str:
+    """A fixed-width table: one row per segment, then the totals; with ``steady`` (the forwards
+    after the measuring one) what they streamed and waited per forward, beside the run's total."""
     rows = []
     for n, s in enumerate(plan.segments):
         where = "resident" if s.resident else ("idle" if not any(plan.units[i].entered for i in s.units)
@@ -154,7 +165,12 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None) -> 
     if stats is not None and stats.forwards:
         out.append(f"measured: {stats.forwards} forward(s), streamed {fmt_bytes(stats.bytes_streamed)}, "
                    f"peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f}s, "
-                   f"wait {stats.time_wait_s:.3f}s, compute {stats.time_compute_s:.3f}s")
+                   f"wait {stats.time_wait_s:.3f}s, compute {stats.time_compute_s:.3f}s"
+                   + (" (the measuring forward included)" if steady is not None else ""))
+    if steady is not None and steady.forwards:
+        n = steady.forwards
+        out.append(f"per forward after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "
+                   f"{steady.copies / n:g} cop{'y' if steady.copies == n else 'ies'}, wait {steady.time_wait_s / n:.3f}s")
     return "\n".join(out)
 
 

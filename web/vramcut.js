@@ -20,9 +20,11 @@
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { answer } from "./plan/format.js";
+import { answer, refusalFor } from "./plan/format.js";
 import { lastPayload } from "./plan/payload.js";
 import { PlanView, watchPage } from "./plan/view.js";
+import { COLORS, readTheme } from "./plan/theme.js";
+import { fitText } from "./plan/draw.js";
 
 // Both Max VRAM nodes send the same payload (the second one is for upscale / CLIP vision models).
 const NODE_TYPES = new Set(["VRAMCutMaxVRAM", "VRAMCutMaxVRAMExtras"]);
@@ -118,16 +120,66 @@ async function planFromHistory(node) {
 
 // ---------------------------------------------------------------------------------- the node
 
-/** Names of the outputs whose matching input is connected while they themselves lead nowhere. */
+/**
+ * Names of the outputs whose model is used elsewhere unpatched: the matching input is connected,
+ * its source also feeds other nodes, and this node's output leads nowhere (the plan never
+ * applies). A node that is the model's only user is a preview (the plan-preview example), and a
+ * node with VRAMCut off patches nothing: neither is warned.
+ */
 function unusedOutputs(node) {
   const out = [];
+  const graph = node.graph;
+  const budget = node.widgets?.find((w) => w.name === "max_vram_gb");
+  const mode = node.widgets?.find((w) => w.name === "budget_mode");
+  if (budget && Number(budget.value) === 0 && (!mode || mode.value === "fixed")) return out;
   for (const input of node.inputs ?? []) {
     if (input.link === null || input.link === undefined) continue;
     const o = (node.outputs ?? []).find((x) => x.name === input.name) ??
       (node.outputs ?? []).find((x) => x.type === input.type);
-    if (o && !(o.links && o.links.length)) out.push(String(o.type ?? o.name).toUpperCase());
+    if (!o || (o.links && o.links.length)) continue;
+    const link = graph?.links?.get?.(input.link) ?? graph?.links?.[input.link];
+    const src = link ? graph.getNodeById(link.origin_id) : null;
+    const srcLinks = src?.outputs?.[link.origin_slot]?.links ?? [];
+    if (srcLinks.some((id) => id !== input.link)) out.push(String(o.type ?? o.name).toUpperCase());
   }
   return out;
+}
+
+/** The answer a collapsed node shows after its title (" · fits 70 % · +12 ms/step"), and its
+ * colour; null when the node is open or has no plan. */
+function collapsedAnswer(node) {
+  const p = node.flags?.collapsed ? node.vramcutView?.payload : null;
+  if (!p?.models?.length) return null;
+  const a = answer(p.models[0], p.budget_bytes, refusalFor(p, p.models[0]));
+  const more = p.models.length > 1 ? ` +${p.models.length - 1}` : "";
+  const theme = readTheme(node.vramcutView.el);
+  return { text: ` · ${a.short}${more}`, color: a.fits ? theme.fits : COLORS.over };
+}
+
+/** Nodes 2.0 draws a node's header in the page (a Vue component showing the title only): the
+ * answer of a collapsed node goes in beside the title there. Until the header is mounted (a
+ * collapse or a load re-renders it) it is looked for again, a few frames at most. */
+function syncVueHeader(node, tries = 0) {
+  if (!globalThis.LiteGraph?.vueNodesMode) return;
+  const title = document.querySelector(`[data-testid="node-header-${node.id}"] [data-testid="node-title"]`);
+  if (!title) {
+    if (tries < 30 && node.flags?.collapsed) requestAnimationFrame(() => syncVueHeader(node, tries + 1));
+    return;
+  }
+  const tail = collapsedAnswer(node);
+  let span = title.querySelector(".vramcut-collapsed-answer");
+  if (!tail) {
+    span?.remove();
+    return;
+  }
+  if (!span) {
+    span = document.createElement("span");
+    span.className = "vramcut-collapsed-answer";
+    Object.assign(span.style, { flex: "0 0 auto", whiteSpace: "nowrap", fontWeight: "600", marginLeft: "0.5em", paddingRight: "4px" });
+    title.append(span);
+  }
+  span.textContent = tail.text.replace(/^ · /, "");
+  span.style.color = tail.color;
 }
 
 /** Adds the plan widget to a new node, with the node's plan methods (fit, details, links, events). */
@@ -157,8 +209,11 @@ function attachPlan(node) {
   // Mounted, the widget's own height says how much the node must change; before that (or
   // while the host has not laid out the last change yet) the node's computed size does.
   let lastFit = null;
+  // false while a fit is wanted and not yet seen on screen (vramcutCheckFit looks every frame)
+  let settled = false;
   node.vramcutFit = ({ shrink = false, tries = 0 } = {}) => {
     if (node.flags?.collapsed) return;
+    settled = false;
     const w = Math.max(node.size[0], MIN_NODE_WIDTH);
     const area = view.el.clientHeight;
     if (area > 0 && lastFit && lastFit.h === node.size[1] && lastFit.area === area) {
@@ -193,6 +248,32 @@ function attachPlan(node) {
     node.setDirtyCanvas?.(true, true);
   };
 
+  // The host sizes a node again after a fit (a node added from the search box is sized after
+  // our first fit; a plan can arrive before the last size is laid out): until the plan area has
+  // been seen at its content's height, every frame checks it again. A loaded node keeps its
+  // saved size.
+  let checked = null;
+  node.vramcutSettle = () => {
+    settled = true;
+  };
+  node.vramcutCheckFit = () => {
+    if (settled || node.flags?.collapsed) return;
+    const area = view.el.clientHeight;
+    // not laid out yet: no height, or one the node cannot hold (a first layout can measure the
+    // element at the page's size)
+    if (!area || area > node.size[1]) return;
+    if (area + 1 >= view.contentHeight(view.el.clientWidth)) {
+      settled = true;
+      return;
+    }
+    // the last fit not laid out yet, or undone by the host (a node from the search box follows
+    // the pointer as a "ghost" until placed, and is sized again): look again a little later
+    const key = `${node.size[1]}|${area}`;
+    if (key === checked?.key && performance.now() - checked.at < 250) return;
+    checked = { key, at: performance.now() };
+    node.vramcutFit();
+  };
+
   node.vramcutSetDetails = (on) => {
     view.setDetails(on);
     // a user's choice, kept with the workflow like any other edit
@@ -214,7 +295,7 @@ function attachPlan(node) {
   api.addEventListener(EVENT, node.vramcutOnEvent);
 
   if (node.size[0] < MIN_NODE_WIDTH) node.setSize([MIN_NODE_WIDTH, node.size[1]]);
-  requestAnimationFrame(() => node.vramcutFit?.());
+  requestAnimationFrame(() => !settled && node.vramcutFit?.());
 }
 
 app.registerExtension({
@@ -235,6 +316,7 @@ app.registerExtension({
       if (!view) return;
       view.setPayload(payload);
       if (payload) seen.set(seenKey(this), payload);
+      syncVueHeader(this);
       // Grow only when the content's height changed since it was last fitted: a node the user
       // made smaller keeps its size through every run that draws the same kind of plan.
       // A plan shown again after a load leaves the saved size alone (and counts as not fitted).
@@ -259,6 +341,7 @@ app.registerExtension({
       const r = base();
       const view = this.vramcutView;
       if (!view) return r;
+      this.vramcutSettle?.(); // a loaded workflow keeps its saved size
       view.setDetails(this.properties?.[VIEW_PROPERTY] === "details");
       // A loaded workflow keeps its saved size: showing its plan again must not change it.
       const known = seen.get(seenKey(this)) ?? this.properties?.[LEGACY_PROPERTY];
@@ -274,16 +357,48 @@ app.registerExtension({
     chain(proto, "onConnectionsChange", function (base) {
       const r = base();
       this.vramcutCheckLinks?.();
+      // once the change is complete (a link replaced is removed here before the new one exists)
+      requestAnimationFrame(() => this.vramcutCheckLinks?.());
       return r;
     });
 
-    // Collapsed, the node's title carries the answer.
+    // Collapsed, the node's header carries the answer. getTitle gives it (the host sizes a
+    // collapsed node to its title), and the header is drawn here, because the host draws only
+    // the first 20 characters of a collapsed title: the name, cut first, then the answer in its
+    // verdict's colour.
     chain(proto, "getTitle", function (base) {
       const title = base() ?? this.title;
-      const p = this.flags?.collapsed ? this.vramcutView?.payload : null;
-      if (!p?.models?.length) return title;
-      const more = p.models.length > 1 ? ` +${p.models.length - 1}` : "";
-      return `${title} · ${answer(p.models[0], p.budget_bytes).short}${more}`;
+      const tail = collapsedAnswer(this);
+      return tail ? `${title}${tail.text}` : title;
+    });
+
+    chain(proto, "collapse", function (base) {
+      const r = base();
+      requestAnimationFrame(() => syncVueHeader(this));
+      return r;
+    });
+
+    chain(proto, "drawTitleText", function (base, ctx, opts) {
+      const tail = collapsedAnswer(this);
+      const LiteGraph = globalThis.LiteGraph;
+      if (!tail || !LiteGraph || this.onDrawTitleText || opts?.low_quality || !ctx) return base();
+      const th = opts?.title_height ?? LiteGraph.NODE_TITLE_HEIGHT;
+      const room = (this._collapsed_width || this.size[0]) - 2 * th;
+      ctx.save();
+      ctx.textAlign = "left";
+      // the host sizes a collapsed node by its title in the node's inner font: where the title
+      // font does not fit that width, the inner one does
+      ctx.font = this.titleFontStyle;
+      if (ctx.measureText(this.getTitle()).width > room + 0.5 && this.innerFontStyle) ctx.font = this.innerFontStyle;
+      const tailW = ctx.measureText(tail.text).width;
+      const name = fitText(ctx, String(this.title || this.constructor.title || ""), room - tailW);
+      const y = LiteGraph.NODE_TITLE_TEXT_Y - th;
+      ctx.fillStyle = this.selected ? LiteGraph.NODE_SELECTED_TITLE_COLOR
+        : this.constructor.title_text_color || opts?.default_title_color || "#999";
+      ctx.fillText(name, th, y);
+      ctx.fillStyle = tail.color;
+      ctx.fillText(tail.text, th + ctx.measureText(name).width, y);
+      ctx.restore();
     });
 
     // Cleanup first, so that a failing handler further down the chain cannot leave the listener.

@@ -82,3 +82,21 @@ def test_cost_without_a_bandwidth_has_no_time():
 def test_cost_of_an_all_resident_plan_streams_nothing():
     c = cost_to_json(plan_to_json(_plan(4096 * MB)), BW)
     assert c["blocks_streamed"] == 0 and c["added_s_per_forward"] == 0.0
+
+
+def test_cost_after_a_run_leaves_the_measuring_forward_out():
+    """The measuring forward (every block through one slot, once per shape) is not the plan's
+    cost: the time and the bytes come from the forwards that ran the plan, and before any did,
+    the cost is the estimate."""
+    plan = _plan(400 * MB)
+    everything = RunStats(forwards=3, time_wait_s=1.2, bytes_streamed=3 * 400 * MB, copies=20)
+    steady = RunStats(forwards=2, time_wait_s=0.2, bytes_streamed=2 * plan.streamed_bytes_per_forward,
+                      copies=2 * plan.transfers_per_forward)
+    c = cost_to_json(plan_to_json(plan, everything, steady), BW)
+    assert c["added_source"] == "measured" and c["measured_forwards"] == 2
+    assert c["added_s_per_forward"] == pytest.approx(0.1)
+    assert c["measured_bytes_per_forward"] == plan.streamed_bytes_per_forward
+    assert c["measured_copies_per_forward"] == plan.transfers_per_forward
+
+    only_measuring = cost_to_json(plan_to_json(plan, everything, RunStats()), BW)
+    assert only_measuring["added_source"] == "estimate" and only_measuring["measured_forwards"] == 0

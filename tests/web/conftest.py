@@ -155,6 +155,13 @@ def comfyui_path() -> str:
 
 @pytest.fixture(scope="module")
 def comfy_server(comfyui_path, tmp_path_factory):
+    running = os.environ.get("VRAMCUT_COMFY_URL")
+    if running:
+        # while working on the web side: a server already running with the same set-up (its base
+        # directory in $VRAMCUT_COMFY_BASE); web/ changes are served without a restart
+        base = os.environ.get("VRAMCUT_COMFY_BASE", "")
+        yield ComfyServer(running.rstrip("/"), base, os.path.join(base, "comfyui.log"), None)
+        return
     base = str(tmp_path_factory.mktemp("comfy_base"))
     os.makedirs(os.path.join(base, "custom_nodes"))
     # $VRAMCUT_PACK_DIR: a copy of the pack installed some other way (CI: by ComfyUI Manager)

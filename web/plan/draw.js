@@ -8,14 +8,14 @@
 // and do nothing at import (ComfyUI also loads this file on its own as an extension script).
 
 import { isIdle, isStreamed, asArray, summarize } from "./payload.js";
-import { answer, budgetFix, costTip, fmtBytes, gib, sharedPrefix, shortSegmentName } from "./format.js";
+import { answer, costTip, fmtBytes, gib, gibText, refusal, refusalFor, sharedPrefix, shortSegmentName } from "./format.js";
 import { COLORS } from "./theme.js";
 
 export const LOW_ZOOM = 0.6;  // LiteGraph draws no text below this scale: the plan keeps its answer
 const READABLE_PX = 11;       // on-screen text size the low-zoom view aims for
 export const HEADER_H = 22;   // the header row (the buttons sit in it)
 
-function fitText(ctx, text, maxW) {
+export function fitText(ctx, text, maxW) {
   text = String(text);
   if (maxW <= 0) return "";
   if (ctx.measureText(text).width <= maxW) return text;
@@ -110,11 +110,14 @@ export function render(ctx, payload, W, theme, paint, opts = {}) {
   if (zoom < LOW_ZOOM) drawZoomedOut(pen, payload, zoom, unused);
   else {
     drawHeader(pen, payload, reserveRight);
-    if (unusedText) drawBanner(pen, unusedText, theme.warning, details);
-    if (!payload) drawNoPlan(pen);
-    else {
+    if (!payload) {
+      if (unusedText) drawBanner(pen, unusedText, theme.warning, details);
+      drawNoPlan(pen);
+    } else {
       drawMessages(pen, payload, details);
-      payload.models.forEach((m, idx) => drawModel(pen, m, idx, payload.budget_bytes, details));
+      // below an error: the error is what stopped the run
+      if (unusedText && payload.enabled) drawBanner(pen, unusedText, theme.warning, details);
+      payload.models.forEach((m, idx) => drawModel(pen, m, idx, payload.budget_bytes, details, refusalFor(payload, m)));
       if (details && payload.models.length) drawLegend(pen, payload);
     }
   }
@@ -132,10 +135,10 @@ function drawZoomedOut(pen, payload, zoom, unused) {
   };
   if (!payload) line("no plan yet", theme.muted);
   else {
-    if (payload.message && payload.message_level !== "notice") line(`! ${payload.message}`, COLORS.message);
+    if (payload.message && payload.message_level !== "notice") line(`! ${refusal(payload)?.fix ?? payload.message}`, COLORS.message);
     if (unused.length) line(`⚠ ${unused.join(", ")} output unused`, theme.warning);
     for (const m of payload.models) {
-      const a = answer(m, payload.budget_bytes);
+      const a = answer(m, payload.budget_bytes, refusalFor(payload, m));
       line(a.short, a.fits ? theme.fits : COLORS.over);
     }
     if (!payload.models.length && payload.message) line(payload.message, theme.muted);
@@ -151,7 +154,8 @@ function drawHeader(pen, payload, reserveRight) {
   pen.text(head, 0, pen.y + 10, theme.strong, pen.font(13, 700));
   if (payload) {
     const s = summarize(payload);
-    const budget = payload.budget_bytes != null ? `${gib(payload.budget_bytes)} GiB per model` : "budget: free VRAM less reserve";
+    const budget = !payload.enabled ? "off" : payload.budget_bytes != null ? `${gib(payload.budget_bytes)} GiB per model`
+      : "budget: free VRAM less reserve";
     ctx.font = pen.font(12);
     const sub = fitText(ctx, s.models > 1 ? `${budget} · ${s.models} models` : budget, W - headW - 10 - reserveRight);
     pen.text(sub, headW + 8, pen.y + 10, theme.muted, pen.font(12));
@@ -163,12 +167,14 @@ function drawHeader(pen, payload, reserveRight) {
 
 /** A message Python wants seen (budget too small, ...): a tinted box with a round "!" mark,
  * drawn rather than an emoji so it looks the same without emoji fonts. */
-function drawBanner(pen, msg, color, details, tip = msg) {
+function drawBanner(pen, msg, color, details, tip = msg, headline = null) {
   const { ctx, W, theme } = pen;
   const y = pen.y;
-  ctx.font = pen.font(12, 600);
-  const lines = wrapText(ctx, msg, W - 34, details ? 8 : 4);
-  const h = Math.max(26, lines.length * 15 + 10);
+  ctx.font = pen.font(13, 700);
+  const head = headline ? wrapText(ctx, headline, W - 34, 2) : [];
+  ctx.font = pen.font(12, headline ? 500 : 600);
+  const lines = wrapText(ctx, msg, W - 34, details ? 8 : headline ? 3 : 4);
+  const h = Math.max(26, head.length * 16 + lines.length * 15 + 10);
   if (pen.paint) {
     ctx.save();
     ctx.globalAlpha = 0.22;
@@ -186,7 +192,9 @@ function drawBanner(pen, msg, color, details, tip = msg) {
     ctx.fill();
   }
   pen.text("!", 14, y + 13.5, "#fff", pen.font(12, 800), "center");
-  lines.forEach((l, i) => pen.text(l, 28, y + 5 + 7.5 + i * 15, theme.strong, pen.font(12, 600)));
+  head.forEach((l, i) => pen.text(l, 28, y + 5 + 8 + i * 16, theme.strong, pen.font(13, 700)));
+  const top = y + 5 + head.length * 16;
+  lines.forEach((l, i) => pen.text(l, 28, top + 7.5 + i * 15, headline ? theme.fg : theme.strong, pen.font(12, headline ? 500 : 600)));
   pen.tip(0, y, W, h, tip);
   pen.y += h + 6;
 }
@@ -203,9 +211,10 @@ function drawNoPlan(pen) {
 function drawMessages(pen, payload, details) {
   if (payload.message) {
     const notice = !payload.enabled || payload.message_level === "notice";
-    const fix = notice ? null : budgetFix(payload);
-    drawBanner(pen, fix ? `${fix} ${payload.message}` : payload.message, notice ? COLORS.weightsOnly : COLORS.message,
-      details, fix ? `${fix}\n${payload.message}` : payload.message);
+    const fix = notice ? null : refusal(payload)?.fix;
+    // a refusal leads with its fix, one number; the reason follows
+    drawBanner(pen, payload.message, notice ? COLORS.weightsOnly : COLORS.message,
+      details, fix ? `${fix}\n${payload.message}` : payload.message, fix);
   }
   if (!payload.enabled && !payload.message) {
     drawBanner(pen, "VRAMCut is off: the models pass through unchanged.", COLORS.weightsOnly, details);
@@ -218,15 +227,21 @@ function drawMessages(pen, payload, details) {
 
 /** One model: title, answer line, VRAM bar, then one warning line, or with the details every
  * segment, the counts and every warning. */
-function drawModel(pen, m, idx, payloadBudget, details) {
+function drawModel(pen, m, idx, payloadBudget, details, refused = null) {
   const top = pen.y;
   if (idx > 0) {
     pen.rect(0, pen.y, pen.W, 1, pen.theme.border);
     pen.y += 6;
   }
-  drawTitle(pen, m);
-  drawAnswer(pen, m, answer(m, payloadBudget));
+  drawTitle(pen, m, refused);
+  drawAnswer(pen, m, answer(m, payloadBudget, refused));
   const budget = Number(m.plan.budget_bytes ?? payloadBudget ?? 0);
+  if (refused) {
+    // the plan drawn before the run does not answer any more: the budget the error asks for does
+    drawNeedBar(pen, refused.need, budget);
+    pen.y += 3;
+    return;
+  }
   drawBar(pen, m.plan, budget);
   if (!details) {
     drawWarningLine(pen, m.warnings);
@@ -241,22 +256,22 @@ function drawModel(pen, m, idx, payloadBudget, details) {
 }
 
 /** Title row: the model's label and its stage badge. */
-function drawTitle(pen, m) {
+function drawTitle(pen, m, refused = null) {
   const { ctx, W, theme, y } = pen;
   const measured = m.stage === "measured";
-  const badge = measured ? "measured" : "estimate";
+  const badge = refused ? "refused" : measured ? "measured" : "estimate";
   ctx.font = pen.font(11, 700);
   const bw = ctx.measureText(badge).width + 12;
   if (pen.paint) {
     roundRect(ctx, W - bw, y + 1, bw, 16, 8);
-    ctx.fillStyle = measured ? COLORS.measured : COLORS.weightsOnly;
+    ctx.fillStyle = refused ? COLORS.over : measured ? COLORS.measured : COLORS.weightsOnly;
     ctx.fill();
   }
   pen.text(badge, W - bw / 2, y + 9.5, "#fff", pen.font(11, 700), "center");
   ctx.font = pen.font(12, 600);
   pen.text(fitText(ctx, m.label, W - bw - 8), 0, y + 9, theme.strong, pen.font(12, 600));
-  pen.tip(W - bw, y, bw, 18, measured
-    ? `Measured for input ${m.signature ?? "(this shape)"}: activations and time come from a real run.`
+  pen.tip(W - bw, y, bw, 18, refused ? "The run was refused: this budget cannot hold it. The banner says which budget works."
+    : measured ? `Measured for input ${m.signature ?? "(this shape)"}: activations and time come from a real run.`
     : "Estimate: weights are exact, activations and time are estimated until the first run.");
   pen.y += 21;
 }
@@ -284,7 +299,24 @@ function drawAnswer(pen, m, a) {
     pen.text(fitText(ctx, `${a.stream} · ${a.time}`, W), 0, pen.y + 8, theme.fg, restFont);
     pen.y += 18;
   }
-  pen.tip(0, answerTop, W, pen.y - answerTop, costTip(m));
+  pen.tip(0, answerTop, W, pen.y - answerTop, a.refused ? "Refused: the budget is too small for this run." : costTip(m));
+}
+
+/** After a refusal: the budget the error asks for against the one set (red past the line). */
+function drawNeedBar(pen, need, budget) {
+  const { W, theme } = pen;
+  const barH = 14;
+  const scale = Math.max(budget, need ?? 0, 1);
+  const bx = (b) => (b / scale) * W;
+  pen.y += 3;
+  const y = pen.y;
+  pen.rect(0, y, Math.max(1, bx(budget)), barH, theme.track);
+  if (need) pen.rect(0, y + 1, bx(need), barH - 2, COLORS.over);
+  if (budget > 0) pen.rect(Math.min(W - 1, Math.max(1, bx(budget))) - 1, y - 3, 2, barH + 6, theme.strong);
+  pen.tip(0, y - 3, W, barH + 6, need
+    ? `This run needs ${gibText(need)} GiB; the budget (the line) is ${gib(budget)} GiB.`
+    : `The budget (the line) is ${gib(budget)} GiB.`);
+  pen.y += barH + 5;
 }
 
 /** The VRAM bar: the device at the plan's peak, against the budget line. */

@@ -28,9 +28,13 @@ export function gib(n, digits) {
   return g.toFixed(digits ?? (Math.abs(g) < 0.1 ? 3 : 2));
 }
 
-/** The smallest max_vram_gb (rounded up to the widget's 0.01 step) that holds `bytes`. */
-function gibCeil(bytes) {
-  return (Math.ceil((Number(bytes) / GIB) * 100 - 1e-9) / 100).toFixed(2);
+/** A max_vram_gb that holds `bytes`, written as Python's messages write it (plan.py gib_text:
+ * rounded up at the widget's 0.001 GiB, at least 0.001), so the node and the error text name
+ * the same number, and entering it gives at least `bytes`. */
+export function gibText(bytes) {
+  let k = Math.max(1, Math.ceil(Number(bytes) / GIB / 0.001 - 1e-9));
+  while (Math.floor(Number((k * 0.001).toFixed(3)) * GIB) < Number(bytes)) k += 1;
+  return (k * 0.001).toFixed(3);
 }
 
 function pct(a, b) {
@@ -70,8 +74,9 @@ export function sharedPrefix(names) {
  * sent (plan.cost; older payloads without it get the counts from the segments, and no time).
  * Returns the parts, so the line can be drawn with the verdict coloured, and short forms.
  */
-export function answer(m, payloadBudget) {
+export function answer(m, payloadBudget, refused = null) {
   const plan = m.plan;
+  if (refused) return refusedAnswer(m, payloadBudget, refused);
   const c = plan.cost ?? {};
   const budget = Number(plan.budget_bytes ?? payloadBudget ?? 0);
   const peak = Number(plan.peak_bytes ?? 0);
@@ -95,24 +100,61 @@ export function answer(m, payloadBudget) {
   return { fits, verdict, vram, stream, time, source, short, line: `${verdict} · ${vram} · ${stream} · ${time}` };
 }
 
+/**
+ * The refusal of a run (a budget error Python reported) as the model's state: the plan drawn
+ * before the run no longer answers, the budget the error names does. `null` when the payload
+ * holds no refusal. `need`: the smallest budget Python found (min_budget_bytes), else the one
+ * block that alone does not fit (need_bytes), else null.
+ */
+export function refusal(payload) {
+  if (!payload || !payload.enabled || !payload.message || payload.message_level === "notice") return null;
+  const min = payload.min_budget_bytes ?? null;
+  const need = min ?? payload.need_bytes ?? null;
+  return { need, exact: min !== null, fix: budgetFix(payload), message: payload.message };
+}
+
+/** The refusal that concerns model `m`: Python marks the refused model (`refused`); a payload
+ * that marks none (an error outside a model's call) concerns them all. */
+export function refusalFor(payload, m) {
+  const r = refusal(payload);
+  if (!r) return null;
+  return m.refused || !payload.models.some((x) => x.refused) ? r : null;
+}
+
+function refusedAnswer(m, payloadBudget, r) {
+  const budget = Number(m.plan.budget_bytes ?? payloadBudget ?? 0);
+  const vram = r.need ? `needs ${r.exact ? "" : "> "}${gibText(r.need)} / ${gib(budget)} GiB` : `${gib(budget)} GiB refused`;
+  const short = r.need ? `refused: needs ${gibText(r.need)} GiB` : "refused";
+  return { fits: false, refused: true, verdict: "refused", vram, stream: "not run", time: "raise max_vram_gb",
+    source: null, short, line: `refused · ${vram} · not run · raise max_vram_gb` };
+}
+
 export function costTip(m) {
   const c = m.plan.cost;
   if (!c) return "The added time is not known: this plan came from an older version.";
   const bw = c.bandwidth_bytes_per_s ? `${(c.bandwidth_bytes_per_s / GIB).toFixed(1)} GiB/s` : "not measured";
   const where = c.bandwidth_device === "cpu" ? "a memory copy on this CPU" : `host to ${c.bandwidth_device ?? "device"}`;
+  const per = m.kind === "MODEL" ? "step" : "call";
+  const copies = (n) => `${n} cop${n === 1 ? "y" : "ies"}`;
   const lines = [];
   if (c.added_source === "measured") {
-    lines.push(`Measured over ${c.measured_forwards} forward${c.measured_forwards === 1 ? "" : "s"}: ` +
-      `compute waited ${fmtSeconds(c.measured_s_per_forward)} per forward for copies.`);
-    lines.push(`copies ${fmtSeconds(c.measured_copy_s_per_forward)} · compute ${fmtSeconds(c.measured_compute_s_per_forward)} per forward`);
+    const n = c.measured_forwards;
+    lines.push(`Measured over ${n} ${per}${n === 1 ? "" : "s"} after the measuring one: ` +
+      `compute waited ${fmtSeconds(c.measured_s_per_forward)} per ${per} for copies.`);
+    if (Number.isFinite(c.measured_bytes_per_forward)) {
+      const k = Math.round(c.measured_copies_per_forward * 10) / 10;
+      lines.push(`${fmtBytes(c.measured_bytes_per_forward)} streamed per ${per} in ${copies(k)} · ` +
+        `copying ${fmtSeconds(c.measured_copy_s_per_forward)}, computing ${fmtSeconds(c.measured_compute_s_per_forward)}.`);
+    }
+  } else if (!(c.streamed_bytes_per_forward > 0)) {
+    lines.push("Nothing streams: every block that runs stays on the device, so streaming adds no time.");
   } else {
-    lines.push(`Estimate until a run measures it: ${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward ÷ ${bw}.`);
+    lines.push(`Estimate until a ${per} runs the plan: ${fmtBytes(c.streamed_bytes_per_forward)} streamed per ${per} ÷ ${bw}.`);
+    if (Number.isFinite(c.transfers_per_forward))
+      lines.push(`The plan copies them in ${copies(c.transfers_per_forward)} (adjacent streamed blocks are copied together).`);
   }
-  if (Number.isFinite(c.transfers_per_forward) && c.streamed_bytes_per_forward > 0) {
-    const t = c.transfers_per_forward;
-    lines.push(`${fmtBytes(c.streamed_bytes_per_forward)} streamed per forward in ${t} transfer${t === 1 ? "" : "s"} ` +
-      `(adjacent streamed blocks are copied together).`);
-  }
+  if (c.added_source !== "measured" && m.plan.stats?.forwards)
+    lines.push("The first call only measured the shapes (every block through one slot, once per shape).");
   lines.push(`Bandwidth ${bw} (${where}, measured once on this machine).`);
   return lines.join("\n");
 }
@@ -122,16 +164,17 @@ export function allText(payload) {
   const parts = [];
   if (payload.message) parts.push(`!! ${payload.message}`);
   for (const m of payload.models) {
-    let t = `${m.label}\n${answer(m, payload.budget_bytes).line}\n\n${m.text || ""}`;
+    let t = `${m.label}\n${answer(m, payload.budget_bytes, refusalFor(payload, m)).line}\n\n${m.text || ""}`;
     if (m.signature) t += `\ninput: ${m.signature}`;
     parts.push(t);
   }
   return parts.join("\n\n") || "No model connected.";
 }
 
-/** The fix for a budget that is too small, from what the error carried. */
+/** The fix for a budget that is too small, from what the error carried: one number, the one
+ * the error text names. */
 export function budgetFix(payload) {
-  if (payload.min_budget_bytes) return `Set max_vram_gb to at least ${gibCeil(payload.min_budget_bytes)} (the smallest budget that works).`;
-  if (payload.need_bytes) return `Set max_vram_gb above ${gibCeil(payload.need_bytes)}: one block alone needs ${gib(payload.need_bytes)} GiB.`;
+  if (payload.min_budget_bytes) return `Set max_vram_gb to at least ${gibText(payload.min_budget_bytes)}.`;
+  if (payload.need_bytes) return `Set max_vram_gb above ${gibText(payload.need_bytes)} (one block alone needs that).`;
   return null;
 }

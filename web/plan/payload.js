@@ -1,7 +1,7 @@
 // The plan as Python sent it: one reading of the payload that every other room draws from.
 //
 // PAYLOAD = {budget_bytes, enabled, message, message_level?, min_budget_bytes?, need_bytes?,
-//            models: [{kind, label, stage, signature, warnings, text, plan: {budget_bytes,
+//            models: [{kind, label, stage, signature, warnings, text, refused?, plan: {budget_bytes,
 //            peak_bytes, streamed_bytes_per_forward, transfers_per_forward, resident_bytes,
 //            window_bytes, activation_reserve_bytes, measured, units, segments, stats?, cost?}}]}
 // Rule: pure functions of the payload (no DOM, no ComfyUI, nothing done at import); they read
@@ -26,6 +26,7 @@ export function normalizePayload(p) {
         signature: m.signature ?? null,
         warnings: [...new Set([...asArray(m.warnings), ...asArray(plan.warnings)].map(String))],
         text: String(m.text ?? ""),
+        refused: m.refused === true,
         plan: {
           ...plan,
           segments: asArray(plan.segments).filter((s) => s && typeof s === "object"),

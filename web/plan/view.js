@@ -9,7 +9,7 @@
 // `app` comes in as an argument (its scripts/app.js is one folder further away from here).
 
 import { normalizePayload, summarize } from "./payload.js";
-import { allText, answer, budgetFix } from "./format.js";
+import { allText, answer, refusal, refusalFor } from "./format.js";
 import { HEADER_H, LOW_ZOOM, render } from "./draw.js";
 import { COLORS, FONT_FALLBACK, readTheme } from "./theme.js";
 
@@ -229,11 +229,12 @@ export class PlanView {
     d.hasPlan = this.payload ? "true" : "false";
     if (this.payload?.message) d.message = this.payload.message;
     else delete d.message;
-    const fix = this.payload?.message && this.payload.message_level !== "notice" ? budgetFix(this.payload) : null;
-    if (fix) d.fix = fix;
+    const refused = refusal(this.payload);
+    if (refused?.fix) d.fix = refused.fix;
     else delete d.fix;
+    d.state = refused ? "refused" : this.payload ? "plan" : "none";
     d.warnings = String((this.payload?.models ?? []).reduce((n, m) => n + m.warnings.length, 0));
-    d.answers = (this.payload?.models ?? []).map((m) => answer(m, this.payload.budget_bytes).line).join("\n");
+    d.answers = (this.payload?.models ?? []).map((m) => answer(m, this.payload.budget_bytes, refusalFor(this.payload, m)).line).join("\n");
     d.unused = this.unused.join(",");
   }
 
@@ -319,6 +320,7 @@ export class PlanView {
   /** Called from the widget's onDraw (every LiteGraph frame): redraw when the zoom crossed a
    * threshold or the pixel scale changed, and (a few times a second) when the palette changed. */
   checkFrame() {
+    this.node.vramcutCheckFit?.();
     if (Math.abs(this.pixelScale() - this.drawnScale) > 0.01 || (this.zoom() < LOW_ZOOM) !== this.drawnLow) this.scheduleDraw();
     const now = performance.now();
     if (now - this.themeCheckedAt > 250) {
@@ -387,7 +389,10 @@ export class PlanView {
       }
       ev.stopPropagation();
       // the workflow changed like any node move (the change tracker sees it now, with an undo step)
-      this.app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+      // (captureCanvasState on newer frontends, where checkState is deprecated)
+      const ct = this.app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
+      if (typeof ct?.captureCanvasState === "function") ct.captureCanvasState();
+      else ct?.checkState?.();
     };
     el.addEventListener("pointermove", move, true);
     el.addEventListener("pointerup", up, true);
