@@ -116,6 +116,8 @@ class NodeReport:
             v = getattr(error, attr, None)
             if isinstance(v, int) and v > 0:
                 self.payload[key] = v
+        if self.payload.get("min_budget_bytes"):  # the smallest budget that works, or a lower bound
+            self.payload["min_budget_exact"] = bool(getattr(error, "exact", False))
         self.send()
 
     def notice(self, message: str) -> None:
@@ -256,7 +258,8 @@ class PatchState:
             # the error panel leads with the fix, the number the node shows
             lead = msg
             if getattr(e, "min_budget_bytes", None):
-                lead = f"Max VRAM: set max_vram_gb to at least {gib_text(e.min_budget_bytes)}. {msg}"
+                to = "to" if getattr(e, "exact", False) else "to at least"  # "at least": a lower bound only
+                lead = f"Max VRAM: set max_vram_gb {to} {gib_text(e.min_budget_bytes)}. {msg}"
             if fallback:
                 raise VRAMCutOOM(lead) from e
             raise VRAMCutError(lead) from e

@@ -174,7 +174,11 @@ export function allText(payload) {
 /** The fix for a budget that is too small, from what the error carried: one number, the one
  * the error text names. */
 export function budgetFix(payload) {
-  if (payload.min_budget_bytes) return `Set max_vram_gb to at least ${gibText(payload.min_budget_bytes)}.`;
+  if (payload.min_budget_bytes) {
+    // Python says whether the number is the smallest budget that works or only a lower bound
+    const to = payload.min_budget_exact ? "to" : "to at least";
+    return `Set max_vram_gb ${to} ${gibText(payload.min_budget_bytes)}.`;
+  }
   if (payload.need_bytes) return `Set max_vram_gb above ${gibText(payload.need_bytes)} (one block alone needs that).`;
   return null;
 }
