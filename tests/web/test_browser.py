@@ -802,7 +802,7 @@ def test_unused_output_is_warned_on_the_node(comfy_server, browser):
     state = lambda: browser.execute_script(NODE_STATE_JS, cut)["data"]  # noqa: E731
     assert state().get("unused", "") == ""
     assert browser.execute_script(UNUSED_JS, loader, cut, ids["decode"], True) is True
-    d = _wait(browser, "the unused-output warning", lambda: (d := state()).get("unused") == "VAE" and d)
+    _wait(browser, "the unused-output warning", lambda: (d := state()).get("unused") == "VAE" and d)
     warn = {"warning": ("#facc15", COLOR_TOLERANCE)}
     _wait(browser, "the warning to be drawn", lambda: browser.execute_script(NODE_PIXELS_JS, cut, warn)["warning"] > 100)
     time.sleep(0.3)
@@ -1222,7 +1222,7 @@ def test_decodes_after_the_measuring_one_show_their_measured_cost(comfy_server, 
     cut = ids["cut"]
     more = browser.execute_script(SECOND_DECODE_JS, cut, ids["decode"], ids["preview"])
     assert browser.execute_async_script(QUEUE_JS, [ids["decode"], ids["preview"], *more], 0) is True
-    st = _wait_run(browser, s, cut, "measured")
+    _wait_run(browser, s, cut, "measured")
     plan = _wait(browser, "the measured cost", lambda: (
         (p := browser.execute_script("return app.graph.getNodeById(arguments[0]).vramcutView.payload.models[0].plan", cut))
         ["cost"]["measured_forwards"] >= 1 and p))
@@ -1247,16 +1247,22 @@ const [url, done] = arguments;
 """ % {"node": NODE_TYPE}
 
 
-def test_plan_preview_example_opens_without_a_warning(comfy_server, browser):
-    """The plan-preview example: the node is the model's only user (a preview), so no
-    "not connected" warning; the warning stays for a model used elsewhere unpatched (see
-    test_unused_output_is_warned_on_the_node)."""
-    s = comfy_server
+def _open_runnable_example(browser, s) -> dict:
+    """Open the plan-preview example from the template endpoint; its node's id and saved size."""
     _open(browser, s)
     url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
     r = browser.execute_async_script(OPEN_EXAMPLE_JS, url)
     assert "error" not in r, r["error"]
     time.sleep(1.0)
+    return r
+
+
+def test_plan_preview_example_opens_without_a_warning(comfy_server, browser):
+    """The plan-preview example: the node is the model's only user (a preview), so no
+    "not connected" warning; the warning stays for a model used elsewhere unpatched (see
+    test_unused_output_is_warned_on_the_node)."""
+    s = comfy_server
+    r = _open_runnable_example(browser, s)
     d = _node_state(browser, r["id"])["data"]
     assert d.get("unused", "") == "", d
     warn = {"warning": ("#facc15", COLOR_TOLERANCE)}
@@ -1267,11 +1273,7 @@ def test_opening_and_running_an_example_leaves_it_unchanged(comfy_server, browse
     """The plan-preview example opened (no resize on load: no change, no undo step), pointed at
     the tiny model and saved, then run: the plan fits the saved height, still unchanged."""
     s = comfy_server
-    _open(browser, s)
-    url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
-    r = browser.execute_async_script(OPEN_EXAMPLE_JS, url)
-    assert "error" not in r, r["error"]
-    time.sleep(1.0)
+    r = _open_runnable_example(browser, s)
     opened = browser.execute_script(TRACKER_JS, r["id"], False)
     assert not opened["modified"] and opened["undo"] == 0, opened
     assert opened["size"] == r["saved"], (opened, r)
