@@ -99,37 +99,45 @@ def test_plan_cli_matches_real_safetensors_file(tmp_path):
     assert units[0].weight_bytes == 10 * 16 * 4 and units[1].weight_bytes == 16 * 16 * 2
 
 
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """The command in this process (the ``python -m vramcut_core`` entry is run for real once, by
+    the demo test below): its exit code, argparse's included, and what it wrote to stderr. An
+    uncaught exception fails the test, as a traceback would fail the command."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    return rc, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("budget", ["0", "-2", "nan", "abc", "inf"])
-def test_plan_cli_rejects_nonsense_budget_in_one_line(tmp_path, budget):
+def test_plan_cli_rejects_nonsense_budget_in_one_line(tmp_path, capsys, budget):
     path = tmp_path / "m.safetensors"
     write_header_only(path, flux_like_entries(n_double=2, n_single=2, d=64))
-    r = subprocess.run([sys.executable, "-m", "vramcut_core", "plan", str(path), "--max-vram", budget],
-                       capture_output=True, text=True)
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert "budget" in r.stderr
+    rc, err = run_cli(["plan", str(path), "--max-vram", budget], capsys)
+    assert rc != 0
+    assert len(err.strip().splitlines()) == 1
+    assert "budget" in err
 
 
 @pytest.mark.parametrize("content", [None, b"", b"hello world, not safetensors", b"\xff" * 64,
                                      struct.pack("<Q", 5) + b"[1,2]"])
-def test_plan_cli_rejects_missing_or_non_safetensors_file(tmp_path, content):
+def test_plan_cli_rejects_missing_or_non_safetensors_file(tmp_path, capsys, content):
     path = tmp_path / "bad.safetensors"
     if content is not None:
         path.write_bytes(content)
-    r = subprocess.run([sys.executable, "-m", "vramcut_core", "plan", str(path), "--max-vram", "4"],
-                       capture_output=True, text=True)
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert ("no such file" in r.stderr) or ("not a safetensors file" in r.stderr)
+    rc, err = run_cli(["plan", str(path), "--max-vram", "4"], capsys)
+    assert rc != 0
+    assert len(err.strip().splitlines()) == 1
+    assert ("no such file" in err) or ("not a safetensors file" in err)
 
 
-def test_plan_cli_budget_too_small_is_a_one_line_error(tmp_path):
+def test_plan_cli_budget_too_small_is_a_one_line_error(tmp_path, capsys):
     path = tmp_path / "m.safetensors"
     write_header_only(path, flux_like_entries())
-    r = subprocess.run([sys.executable, "-m", "vramcut_core", "plan", str(path), "--max-vram", "0.05"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "too small" in r.stderr and "double_blocks.0" in r.stderr
+    rc, err = run_cli(["plan", str(path), "--max-vram", "0.05"], capsys)
+    assert rc == 2
+    assert "too small" in err and "double_blocks.0" in err
 
 
 def test_demo_json_small_model():
