@@ -23,6 +23,9 @@ what it recorded until the graph ends: blocks freed while recording are given ba
 ``malloc_graph_end``, so a forward that runs inside the recording peaks higher than the same
 forward outside it. Every tensor of the simulated accelerator lives in host memory, so the
 device test of ``malloc_graph_enabled`` is left out.
+
+``Qwen21Shaped`` and ``sample_through_wrappers`` (a patched model run as ComfyUI's sampler runs
+it) need no stand-in: ``bench/gpu_compiler_check.py`` runs them under a real host's compiler.
 """
 from __future__ import annotations
 
@@ -199,3 +202,55 @@ class Qwen21Shaped(torch.nn.Module):
         if self.stand_in is not None:
             self.stand_in.running = ""
         return self.proj_out(self.norm_out(h))
+
+
+class BaseModelStandIn(torch.nn.Module):
+    """What the APPLY_MODEL wrapper reads of ComfyUI's BaseModel."""
+
+    def __init__(self, diffusion_model) -> None:
+        super().__init__()
+        self.diffusion_model = diffusion_model
+        self.current_patcher = None
+
+
+def sample_through_wrappers(pack, model, x, t, budget: int, steps: int, device="cuda"):
+    """A sampling run of a patched model through the pack's wrappers, called as ComfyUI calls
+    them (``WrapperExecutor``: OUTER_SAMPLE around the run, APPLY_MODEL around each step, the
+    patcher's ON_PRE_RUN / ON_CLEANUP around the steps). Returns the outputs, the measured peak
+    of each step (where the step measured one), the engine's measurements by unit, the engine."""
+    import comfy.model_patcher
+    import comfy.patcher_extension as pe
+
+    st = pack.nodes.state
+    base = BaseModelStandIn(model)
+    patcher = comfy.model_patcher.ModelPatcher(base, load_device=torch.device(device),
+                                               offload_device=torch.device("cpu"))
+    settings = st.Settings(max_vram_gb=budget / (1 << 30))
+    clone = pack.nodes.patching.patch_model(patcher, settings, st.NodeReport(None, settings))
+    engine = st.state_of(clone)._engines[model]
+    options = {"transformer_options": {"wrappers": clone.wrappers}}
+    outer = pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, options, is_model_options=True)
+    apply = pe.get_all_wrappers(pe.WrappersMP.APPLY_MODEL, options["transformer_options"])
+    assert outer and apply, "the pack registers both wrappers"
+    peaks = []
+
+    def step():
+        out = pe.WrapperExecutor.new_class_executor(
+            lambda x_, t_: base.diffusion_model(x_, t_), base, apply).execute(x, t)
+        peaks.append(engine.last_stats.peak_device_bytes)
+        return out
+
+    def run(steps):
+        clone.pre_run()
+        base.current_patcher = clone
+        try:
+            return [step() for _ in range(steps)]
+        finally:
+            clone.cleanup()
+
+    guider = types.SimpleNamespace(model_patcher=clone)
+    with torch.no_grad():
+        outs = pe.WrapperExecutor.new_class_executor(run, guider, outer).execute(steps)
+    meas = {sig: {u: (m.entry_bytes, m.peak_bytes, m.calls) for u, m in ms.items()}
+            for sig, ms in engine.measurements.items()}
+    return outs, peaks, meas, engine

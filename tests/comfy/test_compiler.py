@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import types
 
 import pytest
 import torch
 
-from compiler_host import CompilerStandIn, Qwen21Shaped
+from compiler_host import CompilerStandIn, Qwen21Shaped, sample_through_wrappers
 from sim_cuda import simulated_cuda
 
 GIB = 1 << 30
@@ -38,15 +37,6 @@ def stand_in(sim, monkeypatch, pack):
     monkeypatch.setattr(pack.vramcut_core.bandwidth, "host_to_device",
                         lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
     return CompilerStandIn(monkeypatch, sim)
-
-
-class _Base(torch.nn.Module):
-    """What the APPLY_MODEL wrapper reads of ComfyUI's BaseModel."""
-
-    def __init__(self, diffusion_model) -> None:
-        super().__init__()
-        self.diffusion_model = diffusion_model
-        self.current_patcher = None
 
 
 def _inputs():
@@ -73,45 +63,7 @@ def _budget(model, x, t, pack, stand_in):
 
 
 def _sample(pack, model, x, t, budget):
-    """A sampling run of a patched model through the pack's wrappers, called as ComfyUI calls
-    them (``WrapperExecutor``: OUTER_SAMPLE around the run, APPLY_MODEL around each step, the
-    patcher's ON_PRE_RUN / ON_CLEANUP around the steps). Returns the outputs, the measured peak
-    of each step (where the step measured one) and the engine's measurements by unit."""
-    import comfy.model_patcher
-    import comfy.patcher_extension as pe
-
-    st = pack.nodes.state
-    base = _Base(model)
-    patcher = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cuda"),
-                                               offload_device=torch.device("cpu"))
-    settings = st.Settings(max_vram_gb=budget / GIB)
-    clone = pack.nodes.patching.patch_model(patcher, settings, st.NodeReport(None, settings))
-    engine = st.state_of(clone)._engines[model]
-    options = {"transformer_options": {"wrappers": clone.wrappers}}
-    outer = pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, options, is_model_options=True)
-    apply = pe.get_all_wrappers(pe.WrappersMP.APPLY_MODEL, options["transformer_options"])
-    assert outer and apply, "the pack registers both wrappers"
-    peaks = []
-
-    def step():
-        out = pe.WrapperExecutor.new_class_executor(
-            lambda x_, t_: base.diffusion_model(x_, t_), base, apply).execute(x, t)
-        peaks.append(engine.last_stats.peak_device_bytes)
-        return out
-
-    def run(steps):
-        clone.pre_run()
-        base.current_patcher = clone
-        try:
-            return [step() for _ in range(steps)]
-        finally:
-            clone.cleanup()
-
-    guider = types.SimpleNamespace(model_patcher=clone)
-    with torch.no_grad():
-        outs = pe.WrapperExecutor.new_class_executor(run, guider, outer).execute(STEPS)
-    meas = {sig: {u: (m.entry_bytes, m.peak_bytes, m.calls) for u, m in ms.items()}
-            for sig, ms in engine.measurements.items()}
+    outs, peaks, meas, _ = sample_through_wrappers(pack, model, x, t, budget, STEPS)
     return outs, peaks, meas
 
 
