@@ -25,7 +25,11 @@ What the simulated accelerator in the tests cannot tell:
   ``alternating``: two cached shapes in turn, host syncs (stream, event, device) and
   ``empty_cache`` calls counted per steady forward;
   ``second_gpu``: a model on ``cuda:1`` with ``cuda:0`` current (where two GPUs exist):
-  bit-equal, nothing allocated on ``cuda:0``.
+  bit-equal, nothing allocated on ``cuda:0``;
+  ``compiler``: a Qwen-Image-2.1-shaped model under the host's model compiler (ComfyUI 0.38+
+  named by ``COMFYUI_PATH``), in a fresh process: no recording begun while VRAMCut runs it, the
+  same measured peaks as with the compiler off (``bench/gpu_compiler_check.py``; elsewhere
+  "skipped: host has no compiler").
 
 ``--dry`` runs on CPU: imports everything and prints the same keys, every figure null or
 "not measured". Nothing here is a figure until it has run on a GPU.
@@ -49,6 +53,7 @@ for p in (ROOT, HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "
 
 import torch  # noqa: E402
 
+import gpu_compiler_check  # noqa: E402
 import toys  # noqa: E402
 from vramcut_core import Engine, EngineConfig  # noqa: E402
 from vramcut_core.runtime import host_memory as ex  # noqa: E402
@@ -57,7 +62,7 @@ NOT = "not measured"
 GB = 1 << 30
 ALLOCATORS = {"native": "", "cudaMallocAsync": "backend:cudaMallocAsync"}
 MODELS = ("transformer", "unet", "subclass", "flux_shaped")
-CHECKS = ("kitchen", "replan", "teardown", "alternating", "second_gpu")
+CHECKS = ("kitchen", "replan", "teardown", "alternating", "second_gpu", "compiler")
 
 
 def _rss() -> int | None:
@@ -413,7 +418,7 @@ def round2(dev) -> dict:
     out = {}
     for name, fn in (("kitchen", lambda: check_kitchen(dev)), ("replan", lambda: check_replan(dev)),
                      ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
-                     ("second_gpu", check_second_gpu)):
+                     ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check)):
         try:
             with torch.no_grad():
                 out[name] = _say(name, fn())

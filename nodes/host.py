@@ -25,7 +25,7 @@ from comfy.patcher_extension import CallbacksMP
 from ..vramcut_core.tensors import GIB
 from . import streams
 from .host_gpu import host_pinning  # noqa: F401  (the adapter's pinning rule, read here by tests)
-from .lora import _host_patch_functions, mergeable_patch_keys
+from .lora import _host_patch_functions, merge_shape_changing_on_host, mergeable_patch_keys
 from .state import KEY, PatchState, VRAMCutError, state_of
 
 
@@ -98,6 +98,7 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
                 comfy.model_patcher.wipe_lowvram_weight(m)
         out = super().load(device_to, lowvram_model_memory=1, force_patch_weights=False,
                            full_load=False, **kwargs)
+        merge_shape_changing_on_host(self)  # (0.38's load does it itself: then nothing is left to do)
         # A loader pack's patcher may patch weights on the host during the load anyway
         # (ComfyUI-GGUF forces it; the host keeps a backup of each): merging those again on the
         # device would apply their LoRA twice.

@@ -43,6 +43,8 @@ FILE_COMMITS = {
     "comfy/model_base.py": "094c74c1b7f9cd5cdd9015741e8eb26acff1142a",
     "comfy/samplers.py": "311c01406130b2acbe8ab291043502de26cf3871",
     "comfy/model_prefetch.py": "03fb330a7f50e51fd7b3de126a288b089871c5e6",
+    "comfy/ldm/qwen_image21/model.py": "08f68f0919d24164469557ca198b8e725c4fd237",  # opens a recording
+    "comfy_extras/nodes_upscale_model.py": "30a74432c780b220aead6c33ab2ebc265678e5e3",
     "comfy/sd.py": "033046cc4fac82d954c6daedccf1c8128433c4f1",
     "comfy/clip_vision.py": "71c5239fe2e73e9968fd8449c4a200199160fddd",
     "comfy_api/latest/__init__.py": "168efe45bb99ae9dd3d565efd7e7b22e99a8c49f",
@@ -93,6 +95,11 @@ SURFACE: tuple[Use, ...] = (
     Use("comfy.model_management.get_offload_stream", "guarded", ("device",), "callable", newest=MM_SAME),
     Use("comfy.cli_args.args.disable_pinned_memory", "guarded", hosts="0.33.0",
         newest="same (comfy/cli_args.py: --disable-pinned-memory)"),
+    Use("comfy.cli_args.args.disable_comfy_compiler", "guarded", hosts="neither",
+        note="set while VRAMCut runs a model, put back after (nodes/compiler.py); absent: no compiler",
+        newest="added (comfy/cli_args.py: --disable-comfy-compiler, also turns off the compiler's CUDA graphs); "
+               "comfy/model_prefetch.py's malloc_graph_enabled(device) reads it at every malloc_graph_begin, "
+               "which Qwen-Image 2.1's forward calls around its blocks (comfy/ldm/qwen_image21/model.py)"),
     # --- weight patches (LoRA) ---------------------------------------------------------------
     Use("comfy.model_patcher.get_key_weight", params=("model", "key"), kind="callable",
         note="returns (weight, set_func, convert_func)", newest=MP_SAME),
@@ -102,12 +109,19 @@ SURFACE: tuple[Use, ...] = (
     Use("comfy.model_patcher.string_to_seed", "fallback", ("data",), "callable",
         hosts="0.3.64, 0.33.0", note="when comfy.utils.string_to_seed is absent",
         newest=MP_SAME + ": logs that it moved to comfy.utils, then calls it"),
+    Use("comfy.utils.get_attr", params=("obj", "attr"), kind="callable",
+        note="the module holding a patched weight",
+        newest="same, by use in comfy/model_patcher.py (get_key_weight calls get_attr(model, key))"),
     Use("comfy.utils.string_to_seed", "guarded", ("data",), "callable", hosts="0.33.0",
         newest="same (comfy/utils.py)"),
     Use("comfy.lora.calculate_weight", "fallback", ("patches", "weight", "key"), "callable",
         note=f"LoRA merge when {MP}.patch_weight_to_device has no return_weight",
         newest="same (comfy/lora.py): calculate_weight(patches, weight, key, intermediate_dtype=torch.float32, "
                "original_weights=None)"),
+    Use("comfy.lora.calculate_shape", "guarded", ("patches", "weight", "key"), "callable", hosts="0.33.0",
+        note="patches that change a weight's shape are never merged into a device copy",
+        newest="same, by use in comfy/model_patcher.py (ModelPatcher.load calls calculate_shape(patches, weight, "
+               "key) and merges a low-VRAM weight whose shape it changes on the host)"),
     Use("comfy.float.stochastic_rounding", "fallback", ("value", "dtype", "seed"), "callable", note="likewise",
         newest="same (comfy/float.py): stochastic_rounding(value, dtype, seed=0)"),
     # --- ModelPatcher: subclassed, its methods overridden and called through super() ----------
@@ -115,7 +129,9 @@ SURFACE: tuple[Use, ...] = (
     Use(f"{MP}.partially_load", params=("device_to", "extra_memory", "force_patch_weights"), kind="callable",
         newest=MP_SAME),
     Use(f"{MP}.load", params=("device_to", "lowvram_model_memory", "force_patch_weights", "full_load"),
-        kind="callable", newest=MP_SAME),
+        kind="callable",
+        newest=MP_SAME + "; new: a low-VRAM weight whose patch changes its shape (comfy.lora.calculate_shape) "
+                         "is merged on the host, the original kept in .backup (0.33.0 patches it per forward)"),
     Use(f"{MP}.unpatch_model", params=("device_to", "unpatch_weights"), kind="callable", newest=MP_SAME),
     Use(f"{MP}.detach", params=("unpatch_all",), kind="callable", newest=MP_SAME),
     Use(f"{MP}.patch_hooks", kind="callable", note="hook LoRAs write weights in place",
@@ -160,6 +176,9 @@ SURFACE: tuple[Use, ...] = (
              ".current_patcher)",
         newest=PE_BY_USE.format("comfy/model_base.py (BaseModel.apply_model wraps _apply_model in "
                                 "new_class_executor(..., self, ...): class_obj is still the BaseModel)")),
+    Use("comfy.patcher_extension.WrappersMP.OUTER_SAMPLE",
+        note="wrapper(executor, *args, **kwargs) around the whole sampling run: the compiler kept off",
+        newest=PE_BY_USE.format("comfy/samplers.py (CFGGuider.sample wraps outer_sample)")),
     Use("comfy.patcher_extension.WrappersMP.CALC_COND_BATCH", "fallback",
         note=f"when {MP}.get_free_memory is absent; wraps the model's memory_required",
         newest=PE_BY_USE.format("comfy/samplers.py (calc_cond_batch)")),
@@ -186,9 +205,12 @@ SURFACE: tuple[Use, ...] = (
     Use("comfy.sd.CLIP.encode_from_tokens", params=("tokens",), kind="callable", newest=SD_SAME),
     Use("comfy.sd.CLIP.encode_from_tokens_scheduled", params=("tokens",), kind="callable", newest=SD_SAME),
     Use("comfy.sd.CLIP.generate", "guarded", kind="callable", hosts="0.33.0",
-        newest=SD_SAME + ": generate(tokens, ...), every further parameter with a default"),
+        newest=SD_SAME + ": generate(tokens, ...), every further parameter with a default; adds mtp=True"),
     Use("comfy.sd.VAE", kind="class", newest=SD_SAME),
-    *(Use(f"comfy.sd.VAE.{m}", kind="callable", newest=SD_SAME)
+    *(Use(f"comfy.sd.VAE.{m}", kind="callable", newest=SD_SAME + {
+        "decode": ": decode(samples_in, vae_options={}); tiles at once when the first-stage model says "
+                  "comfy_decode_estimate_is_reliable and its estimate exceeds the patcher's free memory",
+        "encode": ": encode(pixel_samples, not_video=None)"}.get(m, ""))
       for m in ("decode", "decode_tiled", "encode", "encode_tiled")),
     Use("comfy.sd.VAE.prepare_decode", "guarded", kind="callable", hosts="0.33.0",
         newest=SD_SAME + ": prepare_decode(sample_shape, memory_required=None)"),

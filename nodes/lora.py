@@ -27,18 +27,61 @@ def _string_to_seed(key: str) -> int:
     return f(key)
 
 
+def _changes_shape(patches, weight, key: str) -> bool:
+    """Whether a weight's patches give it another shape (a padded token table: a "diff" with
+    ``pad_weight``). A device copy has the original's shape, so those are never merged into one:
+    ComfyUI 0.38's low-VRAM load merges them on the host (the original kept in ``backup``),
+    older hosts pad the weight per forward."""
+    calc = getattr(comfy.lora, "calculate_shape", None)
+    if calc is not None:
+        return tuple(calc(patches, weight, key)) != tuple(weight.shape)
+    # hosts without it (0.3.64) know one shape-changing patch: the padded "diff"
+    for p in patches:
+        v = p[1]
+        if (isinstance(v, tuple) and len(v) == 2 and v[0] == "diff" and len(v[1]) > 1
+                and v[1][1].get("pad_weight") and v[1][0].shape != weight.shape):
+            return True
+    return False
+
+
+def merge_shape_changing_on_host(patcher) -> None:
+    """At load: weights whose patches change their shape are merged on the host, the original
+    kept in the patcher's ``backup`` (put back when the host unpatches), as ComfyUI 0.38's
+    low-VRAM load does itself. Older hosts patch those per forward, padding at the weight's own
+    precision, which a full load does not; and a device copy has the original's shape, so they
+    can never be merged into one. Costs one host copy of each such weight (a padded token
+    table), as on 0.38."""
+    for key, patches in list(getattr(patcher, "patches", {}).items()):
+        if key in patcher.backup:
+            continue
+        try:
+            weight, _, _ = comfy.model_patcher.get_key_weight(patcher.model, key)
+        except Exception:  # a key the model does not have: the host ignores it too
+            continue
+        if weight is None or not _changes_shape(patches, weight, key):
+            continue
+        owner, _, param = key.rpartition(".")
+        m = comfy.utils.get_attr(patcher.model, owner) if owner else patcher.model
+        fns = getattr(m, f"{param}_function", None)
+        if fns:  # the host's per-forward patch of this weight: merged now instead
+            setattr(m, f"{param}_function", [f for f in fns if not isinstance(f, comfy.model_patcher.LowVramPatch)])
+        patcher.patch_weight_to_device(key)
+
+
 def mergeable_patch_keys(patcher) -> frozenset[str]:
     """Weight-patch keys (LoRA and the like) VRAMCut merges into the device copy of the unit.
     Where the host's merge can return the merged weight (newer hosts), every weight the executor
     holds as a plain tensor or takes apart (quantized: the host requantizes, its parts replace
-    the device parts); on older hosts, plain weights with no host conversion. The rest keep the
-    host's own per-forward patching."""
+    the device parts); on older hosts, plain weights with no host conversion. Patches that
+    change a weight's shape, and the rest, keep the host's own patching."""
     keys = []
     returns = DeviceMerge.host_returns_weight(patcher)
-    for key in getattr(patcher, "patches", {}):
+    for key, patches in getattr(patcher, "patches", {}).items():
         try:
             weight, set_func, convert_func = comfy.model_patcher.get_key_weight(patcher.model, key)
         except Exception:  # a key the model does not have: the host ignores it too
+            continue
+        if weight is None or _changes_shape(patches, weight, key):
             continue
         plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
         if returns and (plain or quant.parts(weight) is not None):

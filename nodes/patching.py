@@ -18,6 +18,7 @@ from comfy.patcher_extension import WrappersMP
 
 from ..vramcut_core import find_units
 from . import streams
+from .compiler import compiler_off
 from .host import plain_patcher, to_vramcut_patcher
 from .state import KEY, NodeReport, PatchState, Settings, VRAMCutError
 
@@ -42,6 +43,16 @@ class _ApplyModelWrapper:
         engine = self.state.engine(module, device, keep_buffers=True)
         engine.hold_weights(self.state.in_run)  # weights held between steps only inside a run
         return self.state.run(engine, executor, *args, patcher=patcher, **kwargs)
+
+
+class _OuterSampleWrapper:
+    """OUTER_SAMPLE wrapper: the host's model compiler stays off for the whole sampling run of a
+    model VRAMCut runs (``compiler.compiler_off``), put back as it was after it, errors and
+    Cancel included."""
+
+    def __call__(self, executor, *args, **kwargs):
+        with compiler_off():
+            return executor(*args, **kwargs)
 
 
 class _CondBatchWrapper:
@@ -78,6 +89,8 @@ def patch_model(model, settings: Settings, report: NodeReport):
     clone = to_vramcut_patcher(model, state)
     clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _ApplyModelWrapper(state))
+    clone.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, KEY)
+    clone.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, KEY, _OuterSampleWrapper())
     if not hasattr(comfy.model_patcher.ModelPatcher, "get_free_memory"):  # the sampler asks the process
         clone.remove_wrappers_with_key(WrappersMP.CALC_COND_BATCH, KEY)
         clone.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, KEY, _CondBatchWrapper(state))

@@ -3,7 +3,7 @@ payload the node shows (live plan events), and ``PatchState``, shared by a patch
 all its clones, which owns one engine per module it runs and turns budget errors into the
 node's message. The one rule: a budget that cannot hold a call is a clear error naming what
 does not fit (an out-of-memory error only where the host has a smaller fallback). May call the
-engine, ``lora`` (device merges), ``host_gpu`` and ``streams``.
+engine, ``lora`` (device merges), ``host_gpu``, ``compiler`` and ``streams``.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from ..vramcut_core.plan import gib_text
 from ..vramcut_core.report import cost_to_json
 from ..vramcut_core.tensors import GIB, fmt_bytes
 from . import streams
+from .compiler import compiler_off
 from .errors import VRAMCutError, VRAMCutOOM
 from .host_gpu import host_allocation_pause, host_pinning
 from .lora import DeviceMerge
@@ -240,7 +241,8 @@ class PatchState:
         engine.executor.on_loaded = merge
         try:
             steady = engine.steady_stats.forwards
-            with merge.host_patches_off() if merge is not None else contextlib.nullcontext():
+            # the host's compiler stays off for the call (CLIP, VAE and the rest have no sampling run)
+            with compiler_off(), merge.host_patches_off() if merge is not None else contextlib.nullcontext():
                 out = engine.run(fn, *args, **kwargs) if sig is None else engine.run_as(sig, fn, *args, **kwargs)
             if self.kind != "MODEL" and engine.steady_stats.forwards > steady and not engine.executor.running:
                 # an encode / decode that ran the plan: the node shows its measured cost (sampling

@@ -1,8 +1,28 @@
-"""Run the pack's nodes the way ComfyUI runs them: found through the V3 entry point, executed
-through the host's own normalising call on a class clone that holds the hidden inputs."""
+"""Load the pack and run its nodes the way ComfyUI does: the pack imported as a package named
+after its folder (so its relative imports are the ones ComfyUI runs), its nodes found through
+the V3 entry point and executed through the host's own normalising call on a class clone that
+holds the hidden inputs."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACK_NAME = "ComfyUI_VRAMCut"
+
+
+def load_pack():
+    """The pack as ComfyUI imports it (ComfyUI must be importable first)."""
+    if PACK_NAME in sys.modules:
+        return sys.modules[PACK_NAME]
+    spec = importlib.util.spec_from_file_location(PACK_NAME, os.path.join(REPO, "__init__.py"),
+                                                  submodule_search_locations=[REPO])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_NAME] = pack
+    spec.loader.exec_module(pack)
+    return pack
 
 
 def node_classes(pack) -> dict:

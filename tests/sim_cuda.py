@@ -37,6 +37,7 @@ and coalescing, so ``memory_reserved`` differs from ``memory_allocated`` the way
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import time
 import weakref
@@ -775,21 +776,24 @@ def _placement(device: torch.device) -> torch.device:
 
 
 @contextlib.contextmanager
-def simulated_cuda(monkeypatch, devices: int = 1):
-    """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator."""
-    from vramcut_core.runtime import device_memory, host_memory
+def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
+    """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator.
+    ``runtimes``: other copies of ``vramcut_core.runtime`` whose seams to patch too (the pack as
+    ComfyUI imports it, a package named after its folder, has its own)."""
+    from vramcut_core import runtime
 
     sim = SimCuda(devices)
-    orig_host_buffer = host_memory._host_buffer
 
-    def host_buffer(nbytes):
-        sim.host_ctx += 1
-        try:
-            t = orig_host_buffer(nbytes)
-            sim.track_new(t, sim.current(), host=True)
-            return t
-        finally:
-            sim.host_ctx -= 1
+    def host_buffer_of(orig_host_buffer):
+        def host_buffer(nbytes):
+            sim.host_ctx += 1
+            try:
+                t = orig_host_buffer(nbytes)
+                sim.track_new(t, sim.current(), host=True)
+                return t
+            finally:
+                sim.host_ctx -= 1
+        return host_buffer
 
     def record_stream(self, stream):
         sim.recorded_types.append(type(self).__name__)
@@ -819,8 +823,11 @@ def simulated_cuda(monkeypatch, devices: int = 1):
             sim.host_ctx -= 1
 
     cuda = torch.cuda
-    monkeypatch.setattr(device_memory, "_placement", _placement)
-    monkeypatch.setattr(host_memory, "_host_buffer", host_buffer)
+    for rt in (runtime, *runtimes):
+        device_memory = importlib.import_module(rt.__name__ + ".device_memory")
+        host_memory = importlib.import_module(rt.__name__ + ".host_memory")
+        monkeypatch.setattr(device_memory, "_placement", _placement)
+        monkeypatch.setattr(host_memory, "_host_buffer", host_buffer_of(host_memory._host_buffer))
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))

@@ -2,18 +2,10 @@
 (a package named after its folder), so its relative imports are the ones ComfyUI runs."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
 import tiny_models as tm
-from pack_nodes import run_node
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACK_NAME = "ComfyUI_VRAMCut"
-
+from pack_nodes import load_pack, run_node
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,17 +23,6 @@ def comfy():
         return tm.import_comfy()
     except tm.ComfyUINotFound as e:
         pytest.skip(str(e))
-
-
-def load_pack():
-    if PACK_NAME in sys.modules:
-        return sys.modules[PACK_NAME]
-    spec = importlib.util.spec_from_file_location(PACK_NAME, os.path.join(REPO, "__init__.py"),
-                                                  submodule_search_locations=[REPO])
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules[PACK_NAME] = pack
-    spec.loader.exec_module(pack)
-    return pack
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ def test_gpu_check_dry_prints_every_key_and_no_figure():
     res = json.loads(p.stdout)
     assert res["dry"] is True and res["device"] is None
     assert set(res) >= {"register", "bandwidth", "sanitizer", "forwards", "sessions", "offload", "checks"}
-    assert set(res["checks"]) == {"kitchen", "replan", "teardown", "alternating", "second_gpu"}
+    assert set(res["checks"]) == {"kitchen", "replan", "teardown", "alternating", "second_gpu", "compiler"}
     assert set(res["register"]) == {"registered", "register_s_per_gb", "unregister_s_per_gb",
                                     "failed_register_leaves_pending_error", "executor_clears_it"}
     assert set(res["sanitizer"]) == {"native", "cudaMallocAsync"}
