@@ -150,6 +150,7 @@ class PatchState:
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
         self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
+        self.fast_disk = False   # the host streams the model from a fast disk: keep file-backed masters
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
         self.teardown_pending = False  # the host tore the model down during a forward: release after it
 
@@ -164,7 +165,7 @@ class PatchState:
         if eng is None or eng.executor.device != dev:
             cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               pinned=self.pinned, pin_memory=host_pinning())
+                               pinned=self.pinned, pin_memory=host_pinning(), keep_file_backed=self.fast_disk)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
             eng.executor.alloc_context = host_allocation_pause()
             streams.attach(eng, dev)

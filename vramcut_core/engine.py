@@ -62,6 +62,8 @@ class EngineConfig:
     pinned: tuple[str, ...] = ()     # unit name patterns that must stay resident
     track_cpu_memory: bool = False   # measure activations on every CPU forward, not only the first
     pin_memory: bool = True          # page-lock host masters (CUDA); off: plain pageable copies
+    keep_file_backed: bool = False   # file-mapped weights stay their own masters (no flat host
+                                     # copy), streamed through a page-locked window (a fast disk)
     verify: bool = dataclasses.field(default_factory=verify_from_env)  # compare first forwards with unpatched
 
     def __post_init__(self) -> None:
@@ -80,7 +82,8 @@ class Engine:
         self.on_plan = on_plan
         self.planner = UnitPlanner(module, config)
         self.executor = SegmentedExecutor(self.planner.unit, config.device, pin_memory=config.pin_memory,
-                                          track_cpu_memory=config.track_cpu_memory, module=module)
+                                          track_cpu_memory=config.track_cpu_memory, module=module,
+                                          keep_file_backed=config.keep_file_backed)
         self.planner.unit_bytes = self.executor.unit_device_bytes
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
