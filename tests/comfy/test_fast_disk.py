@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 import tiny_models as tm
-from test_newest_host import _newest_patcher_class
+from newest_host import newest_patcher_class as _newest_patcher_class
 
 LATENT = (1, 16, 8, 8)
 
@@ -68,7 +68,6 @@ def test_fast_disk_model_keeps_its_mapped_weights_as_masters(comfy, pack, max_vr
     assert torch.equal(out, ref) and torch.equal(again, ref)
     assert _where(model) == where, "the mapped tensors stay the model's weights"
     assert all(hm.file_backed(list(model.model.diffusion_model.state_dict().values())))
-    assert not engine.executor.masters.masters
 
 
 @pytest.mark.parametrize("decided,switch,expected", [
