@@ -83,61 +83,58 @@ def test_cpu_engine_with_file_backed_weights_equals_plain(tmp_path):
     assert _where(model) == where
 
 
+def run_on_sim(sim, monkeypatch, model, build, args, forwards=3, **config):
+    """``forwards`` forwards of ``model`` (built by ``build``, in host memory) in one session of
+    a CUDA engine on the simulated accelerator, from a fresh page-lock ledger; returns the engine,
+    the outputs and the plain forward's output."""
+    with torch.no_grad():
+        with sim.host_memory():
+            ref = model(*args)
+        budget = sim_budget(sim, build, *args)
+        _fresh_ledger(monkeypatch)
+        eng = cuda_engine(model, budget, **config)
+        with eng.session():
+            outs = [eng.run(model, *args) for _ in range(forwards)]
+    return eng, outs, ref
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_mmap"])
 def test_mapped_weights_stay_masters_and_only_the_window_is_pinned(sim, monkeypatch, tmp_path, fmt):
     with sim.host_memory():
         model = mapped(FluxLike, tmp_path, fmt)
-    x, t = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)), torch.rand(2)
-    with torch.no_grad():
-        with sim.host_memory():
-            ref = model(x, t)
-        budget = sim_budget(sim, FluxLike, x, t)
-        _fresh_ledger(monkeypatch)
-        where = _where(model)
-        eng = cuda_engine(model, budget, keep_file_backed=True)
-        with eng.session():
-            outs = [eng.run(model, x, t) for _ in range(3)]
-        assert eng.last_plan.streamed_order, "the scenario streams"
-        assert not eng.executor.masters.masters, "no flat host master was made"
-        assert _where(model) == where, "the mapped tensors are still the masters"
-        assert all(hm.file_backed(list(model.state_dict().values())))
-        window = hm._WINDOW()
-        assert window is not None and window.nbytes <= hm.WINDOW_PIECES * hm.WINDOW_PIECE
-        assert hm.PINNED.bytes == window.nbytes, "the page-locked bytes are the window's, nothing else"
-        assert all(b.data_ptr() in sim.registered for b in window.bufs)
-        assert not sim.pageable_async
+    where = _where(model)
+    args = (torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)), torch.rand(2))
+    eng, outs, ref = run_on_sim(sim, monkeypatch, model, FluxLike, args, keep_file_backed=True)
+    assert eng.last_plan.streamed_order, "the scenario streams"
+    assert not eng.executor.masters.masters, "no flat host master was made"
+    assert _where(model) == where, "the mapped tensors are still the masters"
+    assert all(hm.file_backed(list(model.state_dict().values())))
+    window = hm._WINDOW()
+    assert window is not None and window.nbytes <= hm.WINDOW_PIECES * hm.WINDOW_PIECE
+    assert hm.PINNED.bytes == window.nbytes, "the page-locked bytes are the window's, nothing else"
+    assert all(b.data_ptr() in sim.registered for b in window.bufs)
+    assert not sim.pageable_async
     assert all(torch.equal(o, ref) for o in outs)
 
 
 def test_weights_in_ram_keep_their_flat_masters(sim, monkeypatch):
     """The option changes nothing for weights that are not file-backed."""
-    with sim.host_memory(), torch.no_grad():
+    with sim.host_memory():
         model = seeded(TransformerStack())
-        x = ids()
-        ref = model(x)
-    with torch.no_grad():
-        budget = sim_budget(sim, TransformerStack, x)
-        _fresh_ledger(monkeypatch)
-        eng = cuda_engine(model, budget, keep_file_backed=True)
-        with eng.session():
-            out = eng.run(model, x)
-        assert eng.executor.masters.masters and hm._WINDOW is None
-    assert torch.equal(out, ref)
+    eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), forwards=1,
+                                keep_file_backed=True)
+    assert eng.executor.masters.masters and hm._WINDOW is None
+    assert torch.equal(outs[0], ref)
 
 
 def test_without_the_option_mapped_weights_are_copied_into_flat_masters(sim, monkeypatch, tmp_path):
     """Today's path (no fast disk): the flat host masters replace the mapping (the model in RAM)."""
     with sim.host_memory():
         model = mapped(TransformerStack, tmp_path)
-    x = ids()
-    with torch.no_grad():
-        budget = sim_budget(sim, TransformerStack, x)
-        _fresh_ledger(monkeypatch)
-        eng = cuda_engine(model, budget)
-        with eng.session():
-            eng.run(model, x)
-        assert eng.executor.masters.masters
-        assert not any(hm.file_backed([m.buf for m in eng.executor.masters.masters.values()]))
+    eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), forwards=1)
+    assert eng.executor.masters.masters
+    assert not any(hm.file_backed([m.buf for m in eng.executor.masters.masters.values()]))
+    assert torch.equal(outs[0], ref)
 
 
 def test_window_bytes_are_bounded_by_its_pieces(sim, monkeypatch, tmp_path):
@@ -145,37 +142,22 @@ def test_window_bytes_are_bounded_by_its_pieces(sim, monkeypatch, tmp_path):
     monkeypatch.setattr(hm, "WINDOW_PIECE", 1024)
     with sim.host_memory():
         model = mapped(TransformerStack, tmp_path)
-    x = ids()
-    with torch.no_grad():
-        with sim.host_memory():
-            ref = model(x)
-        budget = sim_budget(sim, TransformerStack, x)
-        _fresh_ledger(monkeypatch)
-        eng = cuda_engine(model, budget, keep_file_backed=True)
-        with eng.session():
-            outs = [eng.run(model, x) for _ in range(3)]
-        window = hm._WINDOW()
-        biggest = max(eng.executor.layout(n).nbytes for n in eng.last_plan.streamed_order)
-        assert biggest > 4 * window.piece, "the scenario needs units of many pieces"
-        assert (window.piece, window.nbytes) == (1024, 2048) and hm.PINNED.bytes == 2048
+    eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), keep_file_backed=True)
+    window = hm._WINDOW()
+    biggest = max(eng.executor.layout(n).nbytes for n in eng.last_plan.streamed_order)
+    assert biggest > 4 * window.piece, "the scenario needs units of many pieces"
+    assert (window.piece, window.nbytes) == (1024, 2048) and hm.PINNED.bytes == 2048
     assert all(torch.equal(o, ref) for o in outs)
 
 
 def test_window_that_cannot_be_pinned_copies_synchronously(sim, monkeypatch, tmp_path):
     with sim.host_memory():
         model = mapped(TransformerStack, tmp_path)
-    x = ids()
-    with torch.no_grad():
-        with sim.host_memory():
-            ref = model(x)
-        budget = sim_budget(sim, TransformerStack, x)
-        _fresh_ledger(monkeypatch)
-        monkeypatch.setattr(hm.PINNED, "cap", 0)  # no page-locked room at all
-        eng = cuda_engine(model, budget, keep_file_backed=True)
-        with eng.session():
-            outs = [eng.run(model, x) for _ in range(2)]
-        assert not eng.executor.masters.masters and hm._WINDOW is None and hm.PINNED.bytes == 0
-        assert not sim.pageable_async, "pageable sources are copied synchronously, on purpose"
+    monkeypatch.setattr(hm.PINNED, "allows", lambda n: False)  # no page-locked room at all
+    eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), forwards=2,
+                                keep_file_backed=True)
+    assert not eng.executor.masters.masters and hm._WINDOW is None and hm.PINNED.bytes == 0
+    assert not sim.pageable_async, "pageable sources are copied synchronously, on purpose"
     assert all(torch.equal(o, ref) for o in outs)
 
 
@@ -191,19 +173,10 @@ def test_sim_catches_window_refilled_before_its_copy(sim, monkeypatch, tmp_path)
     monkeypatch.setattr(hm.StagingWindow, "take", take_without_waiting)
     with sim.host_memory():
         model = mapped(TransformerStack, tmp_path)
-    x = ids()
-    with torch.no_grad():
-        with sim.host_memory():
-            ref = model(x)
-        budget = sim_budget(sim, TransformerStack, x)
-        _fresh_ledger(monkeypatch)
-        eng = cuda_engine(model, budget, keep_file_backed=True)
-        with eng.session():
-            out = eng.run(model, x)
+    eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), forwards=1,
+                                keep_file_backed=True)
     assert any("write over bytes another stream may still read" in h for h in sim.hazards)
-    assert not torch.equal(out, ref), "the copies read pieces already refilled"
-    sim.hazards.clear()
+    assert not torch.equal(outs[0], ref), "the copies read pieces already refilled"
     del eng
     gc.collect()
-    sim.hazards.clear()  # the window's finalizer waits for its readers: nothing to report there
-
+    sim.hazards.clear()  # reported above, on purpose
