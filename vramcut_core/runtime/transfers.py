@@ -2,7 +2,8 @@
 
 Owns the side stream copies run on (CUDA), the events of every copy (one per transfer: a
 streamed segment's units are copied one after another between one wait and one event, which all
-of them share), the timing events not yet read, and the map from each unit to the streamed
+of them share; one per piece of the staging window a file-backed unit passes through), the
+timing events not yet read, and the map from each unit to the streamed
 segment to prefetch after it. The one rule: every stream that reads a buffer waits on the event
 of the copy that filled it, and a copy into a buffer first waits on the compute stream, so it
 never overwrites weights that queued kernels still read; every synchronisation carries a
