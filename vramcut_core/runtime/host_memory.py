@@ -171,7 +171,13 @@ def _file_mappings() -> list[tuple[int, int]] | None:
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         out.append((lo, hi))
     out.sort()
-    return out
+    joined: list[tuple[int, int]] = []
+    for lo, hi in out:  # one file mapping the kernel keeps in several pieces
+        if joined and lo == joined[-1][1]:
+            joined[-1] = (joined[-1][0], hi)
+        else:
+            joined.append((lo, hi))
+    return joined
 
 
 def file_backed(tensors: list[torch.Tensor]) -> list[bool]:
@@ -188,9 +194,9 @@ def file_backed(tensors: list[torch.Tensor]) -> list[bool]:
             continue
         if maps is None:
             maps = _file_mappings() or []
-        ptr = st.data_ptr()
+        ptr, n = t.data_ptr(), t.numel() * t.element_size()  # the bytes a copy would read
         k = bisect.bisect_right(maps, (ptr, float("inf"))) - 1
-        out.append(bool(st.nbytes()) and k >= 0 and maps[k][0] <= ptr and ptr + st.nbytes() <= maps[k][1])
+        out.append(n > 0 and k >= 0 and maps[k][0] <= ptr and ptr + n <= maps[k][1])
     return out
 
 
