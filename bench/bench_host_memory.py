@@ -230,8 +230,9 @@ def main(argv=None) -> int:
     mib = lambda n: f"{n / (1 << 20):8.1f}"  # noqa: E731
     disk = [r for r in rows if r["scenario"] in DISK_SCENARIOS]
     rows = [r for r in rows if r["scenario"] not in DISK_SCENARIOS]
-    print(f"{'scenario':16} {'weights MiB':>11} {'RSS loaded':>10} {'RSS run':>9} {'+run':>8} {'census':>8} "
-          f"{'LoRA change->step s':>19} reloads")
+    if rows:
+        print(f"{'scenario':16} {'weights MiB':>11} {'RSS loaded':>10} {'RSS run':>9} {'+run':>8} {'census':>8} "
+              f"{'LoRA change->step s':>19} reloads")
     for r in rows:
         print(f"{r['scenario']:16} {mib(r['weight_bytes']):>11} {mib(r['rss_loaded']):>10} {mib(r['rss_after_run']):>9} "
               f"{mib(r['rss_after_run'] - r['rss_loaded']):>8} {mib(r['census_bytes']):>8} "
