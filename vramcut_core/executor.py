@@ -48,7 +48,8 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
 * Other readers. Streams the host reads weights on (offload-stream casts) are handed in as
   ``reader_streams`` and wait on the same copy events as the compute stream.
 * Every CUDA synchronisation point carries a comment naming the hazard it prevents; the tests
-  run this branch on a simulated accelerator (tests/sim_cuda.py) that fails on each hazard.
+  run this branch on a simulated accelerator (tests/sim_cuda.py) that fails on each hazard it
+  models (``runtime.transfers`` names the two it does not).
 
 This module orchestrates one forward; the resources live in ``vramcut_core.runtime``, one owner
 each: ``host_memory`` (masters, page-locking), ``device_memory`` (buffers, slots, layouts, byte

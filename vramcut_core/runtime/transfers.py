@@ -7,9 +7,12 @@ timing events not yet read, and the map from each unit to the streamed
 segment to prefetch after it. The one rule: every stream that reads a buffer waits on the event
 of the copy that filled it, and a copy into a buffer first waits on the compute stream, so it
 never overwrites weights that queued kernels still read; every synchronisation carries a
-``hazard:`` comment, and the simulated accelerator (tests/sim_cuda.py) fails without it. May
-call torch, ``device_memory`` (to count subclass bytes), ``host_memory`` (masters to copy from)
-and ``binding`` (where a tensor's master is).
+``hazard:`` comment. The simulated accelerator's tests (tests/core/test_sim_*.py) fail without
+each, but two it cannot show: ``drain``'s wait for the compute stream (the simulator runs
+compute kernels at once) and the finalizer's drain (there, unpinning the masters waits for the
+same copies first); both stay: on a GPU kernels queue, and masters can outlive the executor.
+May call torch, ``device_memory`` (to count subclass bytes), ``host_memory`` (masters to copy
+from) and ``binding`` (where a tensor's master is).
 """
 from __future__ import annotations
 
