@@ -56,8 +56,8 @@ class Shape:
 # The conditioning a family's sampler passes, per host model class (exact class names: a family
 # is listed once its inputs are built and checked against a real call in the tests). ``context``
 # reads the text embedding's width from the model config or the module, ``tokens`` is what the
-# family's text encoder pads an empty prompt to (SD3: CLIP 77 + T5 77; Wan: UMT5's 512),
-# ``pooled`` the pooled vector's width where the family reads one.
+# family's text encoder pads an empty prompt to (CLIP 77; Flux's T5 256; SD3: CLIP 77 + T5 77;
+# Wan: UMT5's 512), ``pooled`` the pooled vector's width where the family reads one.
 @dataclasses.dataclass(frozen=True)
 class _Conditioning:
     tokens: int
@@ -66,6 +66,10 @@ class _Conditioning:
 
 
 _FAMILIES = {
+    "BaseModel": _Conditioning(77, lambda cfg, dm: cfg["context_dim"]),  # SD 1.x / 2.x
+    # SDXL's label embedding is the pooled CLIP-G vector and six 256-wide size embeddings
+    "SDXL": _Conditioning(77, lambda cfg, dm: cfg["context_dim"], lambda cfg, dm: cfg["adm_in_channels"] - 6 * 256),
+    "Flux": _Conditioning(256, lambda cfg, dm: cfg["context_in_dim"], lambda cfg, dm: cfg["vec_in_dim"]),
     "SD3": _Conditioning(
         154, lambda cfg, dm: cfg["context_embedder_config"]["params"]["in_features"],
         lambda cfg, dm: cfg["adm_in_channels"]),
@@ -115,10 +119,14 @@ def _model_call(patched, shape: Shape):
     cond = {"cross_attn": torch.zeros(1, fam.tokens, width), "model_conds": {}}
     if pooled:
         cond["pooled_output"] = torch.zeros(1, pooled)
-    (cond,) = comfy.samplers.encode_model_conds(base.extra_conds, [cond], x, dev, "positive",
-                                                latent_image=x, denoise_mask=None, seed=0)
-    kwargs = {k: v.process_cond(batch_size=shape.batch, device=dev, area=None).concat([])
-              for k, v in cond["model_conds"].items()}
+    try:  # the host's own conditioning code, as the sampler runs it for one positive prompt
+        (cond,) = comfy.samplers.encode_model_conds(base.extra_conds, [cond], x, dev, "positive",
+                                                    latent_image=x, denoise_mask=None, seed=0)
+        kwargs = {k: v.process_cond(batch_size=shape.batch, device=dev, area=None).concat([])
+                  for k, v in cond["model_conds"].items()}
+    except Exception as e:  # a family variant that wants more than a prompt (an image, a mask)
+        raise CannotPreview(f"{type(base).__name__}'s conditioning could not be formed: "
+                            f"{type(e).__name__}: {e}") from None
     t = torch.full((shape.batch,), float(base.model_sampling.sigma_max), device=dev)
     # the patcher's wrappers join the options as the sampler's ``prepare_model_patcher`` joins them
     options = pe.copy_nested_dicts(patched.model_options.get("transformer_options", {}))

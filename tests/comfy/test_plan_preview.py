@@ -7,11 +7,18 @@ with the same inputs reuses the traced profile, and its output equals the unpatc
 model whose inputs cannot be built, and a budget too small for the shape, are said on the node."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
-import tiny_models as tm
-from pack_nodes import run_node
+_here = os.path.dirname(os.path.abspath(__file__))
+if _here not in sys.path:  # the family helpers by name, as the sweep imports them
+    sys.path.append(_here)
+
+import tiny_models as tm  # noqa: E402
+from pack_nodes import run_node  # noqa: E402
 
 GIB = 1 << 30
 
@@ -89,8 +96,48 @@ def _budget(pack, max_vram, slot, model, shp) -> float:
     return (plan["activation_reserve_bytes"] + sum(u["weight_bytes"] for u in plan["units"]) * 3 // 4) / GIB
 
 
+def built(family: str):
+    """A tiny model of a family with fixed sizes in the host's loader, through the host's own
+    model config class (``comfy.supported_models``), seeded, in a plain ModelPatcher."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+    from comfy.ldm.flux.model import FluxParams
+
+    import test_families as tf
+
+    unet = dict(image_size=32, in_channels=4, model_channels=32, out_channels=4, num_res_blocks=[1, 1],
+                channel_mult=[1, 2], transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
+                transformer_depth_middle=1, use_spatial_transformer=True, legacy=False, context_dim=32,
+                use_temporal_attention=False, use_temporal_resblock=False, num_head_channels=-1)
+    cls, cfg = {
+        "BaseModel": (sm.SD15, dict(unet, use_linear_in_transformer=False, adm_in_channels=None)),
+        "SDXL": (sm.SDXL, dict(unet, use_linear_in_transformer=True, adm_in_channels=2816, num_classes="sequential")),
+        "Flux": (sm.Flux, dict(image_model="flux", **tf.host_kwargs(FluxParams, **dict(tf.FLUX_KW, in_channels=16,
+                                                                                       out_channels=16)))),
+    }[family]
+    mc = cls(cfg)
+    if family == "SDXL":  # its fixed 64-wide heads are wider than the tiny model's 32 channels
+        mc.unet_config["num_head_channels"] = 16
+    model = mc.get_model({}, device="cpu")
+    tf.seeded(model.diffusion_model)
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def _cond(tokens: int, width: int, pooled: int | None = None):
+    g = torch.Generator().manual_seed(0)
+
+    def one():
+        return [[torch.randn(1, tokens, width, generator=g),
+                 {"pooled_output": torch.randn(1, pooled, generator=g)} if pooled else {}]]
+    return one(), one()
+
+
 MODELS = {
     # family: (loader, sampler conditioning at the family's token count, latent, pixels (w, h, frames))
+    "BaseModel": (lambda: built("BaseModel"), lambda: _cond(77, 32), (1, 4, 16, 16), (128, 128, 1)),
+    "SDXL": (lambda: built("SDXL"), lambda: _cond(77, 32, 1280), (1, 4, 16, 16), (128, 128, 1)),
+    "Flux": (lambda: built("Flux"), lambda: _cond(256, 32, 16), (1, 16, 16, 16), (128, 128, 1)),
     "SD3": (lambda: tm.load_tiny_sd3(), lambda: tm.tiny_sd3_conditioning(tokens=154), (1, 16, 16, 16), (128, 128, 1)),
     "WAN21": (lambda: tm.load_tiny_wan21(), lambda: tm.tiny_wan_conditioning(tokens=512), (1, 16, 2, 8, 8), (64, 64, 5)),
 }
