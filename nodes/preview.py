@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 
@@ -61,8 +62,8 @@ class Shape:
 @dataclasses.dataclass(frozen=True)
 class _Conditioning:
     tokens: int
-    context: "callable"
-    pooled: "callable | None" = None
+    context: Callable[[dict, torch.nn.Module], int]  # (unet_config, diffusion model) -> text width
+    pooled: Callable[[dict, torch.nn.Module], int] | None = None
 
 
 _FAMILIES = {
