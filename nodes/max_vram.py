@@ -13,7 +13,7 @@ from comfy_api.latest import ComfyExtension, io
 from ..vramcut_core import BudgetError, TraceUnavailable
 from .state import MODES, NodeReport, Settings, VRAMCutError
 from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_model, patch_vae
-from .preview import SHAPE_TYPE, CannotPreview, Shape, preview
+from .preview import SHAPE_TYPE, CannotPreview, Shape, preview, traced_at
 
 ShapeIO = io.Custom(SHAPE_TYPE)
 
@@ -77,7 +77,7 @@ def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None
         log.warning("VRAMCut: %s", msg)
         report.fail(msg, e, kind=kind)
         return None
-    report.set(kind, engine, plan, traced_at=shape.label)
+    report.set(kind, engine, plan, traced_at=traced_at(kind, shape))
     return None
 
 

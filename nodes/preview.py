@@ -139,6 +139,13 @@ def _model_call(patched, shape: Shape):
     return base.apply_model, (x, t), dict(kwargs, transformer_options=options)
 
 
+def traced_at(kind: str, shape: Shape) -> str:
+    """What a preview of ``kind`` was traced at, as the node says it."""
+    if kind == "CLIP":  # a text encoder's call does not depend on the image shape
+        return "an empty prompt"
+    return f"{shape.label} (decode)" if kind == "VAE" else shape.label
+
+
 def preview(kind: str, patched, shape: Shape) -> tuple:
     """The traced plan of ``patched`` (a patched MODEL, CLIP or VAE) at ``shape``: (engine, plan).
     Raises ``CannotPreview`` (inputs not buildable), ``TraceUnavailable`` (the dry run could not
@@ -192,4 +199,4 @@ def _clip_encode(clip) -> None:
         clip.encode_from_tokens(tokens, return_pooled=True)
 
 
-__all__ = ["SHAPE_TYPE", "CannotPreview", "Shape", "preview", "BudgetError", "TraceUnavailable"]
+__all__ = ["SHAPE_TYPE", "CannotPreview", "Shape", "preview", "traced_at", "BudgetError", "TraceUnavailable"]

@@ -80,7 +80,8 @@ def previewed(pack, max_vram, gb, slot, model, shp):
     patched = outs[("model", "clip", "vae").index(slot)]
     assert payload["message"] is None, payload["message"]
     (entry,) = payload["models"]
-    assert entry["stage"] == "traced" and entry["traced_at"] == shp.label
+    label = {"model": shp.label, "vae": f"{shp.label} (decode)", "clip": "an empty prompt"}[slot]
+    assert entry["stage"] == "traced" and entry["traced_at"] == label
     assert entry["plan"]["source"] == "traced" and entry["plan"]["measured"]
     eng = engine(pack, patched)
     assert eng.stats.forwards == 0 and not eng.measurements and not eng._plans, "nothing ran"
