@@ -114,7 +114,8 @@ def _model_call(patched, shape: Shape):
         width = int(fam.context(cfg, dm))
         pooled = int(fam.pooled(cfg, dm)) if fam.pooled is not None else None
     except (KeyError, AttributeError, IndexError, TypeError) as e:
-        raise CannotPreview(f"the text width of this {type(base).__name__} model is not in its config ({e!r})") from None
+        raise CannotPreview(f"the text width of this {type(base).__name__} model is not in its config "
+                            f"({e!r})") from None
     dev = patched.load_device
     x = torch.zeros(_latent(base.latent_format, shape), device=dev)
     cond = {"cross_attn": torch.zeros(1, fam.tokens, width), "model_conds": {}}

@@ -34,7 +34,8 @@ KEY = "vramcut"            # wrapper / callback / attachment key
 EVENT = "vramcut.plan"     # server event the web extension listens to
 MODES = ("fixed", "free VRAM minus reserve")
 
-__all__ = ["KEY", "EVENT", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "NodeReport", "PatchState", "Previewed", "state_of"]
+__all__ = ["KEY", "EVENT", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "NodeReport", "PatchState", "Previewed",
+           "state_of"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,7 +140,8 @@ MODELS = {
     "SDXL": (lambda: built("SDXL"), lambda: _cond(77, 32, 1280), (1, 4, 16, 16), (128, 128, 1)),
     "Flux": (lambda: built("Flux"), lambda: _cond(256, 32, 16), (1, 16, 16, 16), (128, 128, 1)),
     "SD3": (lambda: tm.load_tiny_sd3(), lambda: tm.tiny_sd3_conditioning(tokens=154), (1, 16, 16, 16), (128, 128, 1)),
-    "WAN21": (lambda: tm.load_tiny_wan21(), lambda: tm.tiny_wan_conditioning(tokens=512), (1, 16, 2, 8, 8), (64, 64, 5)),
+    "WAN21": (lambda: tm.load_tiny_wan21(), lambda: tm.tiny_wan_conditioning(tokens=512), (1, 16, 2, 8, 8),
+              (64, 64, 5)),
 }
 
 

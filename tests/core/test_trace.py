@@ -308,7 +308,8 @@ def test_a_preview_is_the_plan_the_first_forward_runs_and_copies_nothing(name, f
     monkeypatch.setattr(engine_mod, "trace_units", lambda *a, **k: traced.append(1) or orig(*a, **k))
     ran = []
     orig_forward = SegmentedExecutor.forward
-    monkeypatch.setattr(SegmentedExecutor, "forward", lambda self, p, *a, **k: ran.append(p) or orig_forward(self, p, *a, **k))
+    monkeypatch.setattr(SegmentedExecutor, "forward",
+                        lambda self, p, *a, **k: ran.append(p) or orig_forward(self, p, *a, **k))
     with torch.no_grad():
         assert torch.equal(eng.run(fn, *args), ref)
     assert not traced, "the first forward used the previewed profile"
