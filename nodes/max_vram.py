@@ -1,8 +1,9 @@
-"""The Max VRAM nodes, in ComfyUI's V3 node API (``comfy_api.latest``).
+"""The Max VRAM nodes and the Preview shape node, in ComfyUI's V3 node API (``comfy_api.latest``).
 
 The one rule: what a saved workflow stores is the node's contract. Node ids, input names, their
 order (``widgets_values`` is positional), types, defaults and the output order stay as they were
-in the V1 classes, and the ``ui`` payload key the web extension reads stays ``"vramcut"``.
+in the V1 classes (inputs added since, like ``preview_shape``, are optional and come last), and
+the ``ui`` payload key the web extension reads stays ``"vramcut"``.
 """
 from __future__ import annotations
 
@@ -66,18 +67,19 @@ def _preview_input() -> list:
 def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None:
     """Put the traced plan of ``patched`` at ``shape`` on the node; what went wrong otherwise
     (the weights estimate stays drawn)."""
+    at = traced_at(kind, shape)
     try:
         engine, plan = preview(kind, patched, shape)
     except (CannotPreview, TraceUnavailable) as e:
-        msg = f"{kind}: no plan preview at {shape.label} ({e}); the plan shown is the weights estimate"
+        msg = f"{kind}: no plan preview at {at} ({e}); the plan shown is the weights estimate"
         log.warning("VRAMCut: %s", msg)
         return msg
     except BudgetError as e:
-        msg = f"{kind} at {shape.label}: {e}"
+        msg = f"{kind} at {at}: {e}"
         log.warning("VRAMCut: %s", msg)
         report.fail(msg, e, kind=kind)
         return None
-    report.set(kind, engine, plan, traced_at=traced_at(kind, shape))
+    report.set(kind, engine, plan, traced_at=at)
     return None
 
 
