@@ -165,7 +165,8 @@ export function allText(payload) {
   if (payload.message) parts.push(`!! ${payload.message}`);
   for (const m of payload.models) {
     let t = `${m.label}\n${answer(m, payload.budget_bytes, refusalFor(payload, m)).line}\n\n${m.text || ""}`;
-    if (m.signature) t += `\ninput: ${m.signature}`;
+    if (m.traced_at) t += `\ntraced at ${m.traced_at} (a dry run: nothing has run yet)`;
+    else if (m.signature) t += `\ninput: ${m.signature}`;
     parts.push(t);
   }
   return parts.join("\n\n") || "No model connected.";
