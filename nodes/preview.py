@@ -58,7 +58,7 @@ class Shape:
 # is listed once its inputs are built and checked against a real call in the tests). ``context``
 # reads the text embedding's width from the model config or the module, ``tokens`` is what the
 # family's text encoder pads an empty prompt to (CLIP 77; Flux's T5 256; SD3: CLIP 77 + T5 77;
-# Wan: UMT5's 512), ``pooled`` the pooled vector's width where the family reads one.
+# Wan: UMT5's 512; Qwen-Image: 256, a long prompt), ``pooled`` the pooled vector's width where the family reads one.
 @dataclasses.dataclass(frozen=True)
 class _Conditioning:
     tokens: int
@@ -75,6 +75,13 @@ _FAMILIES = {
         154, lambda cfg, dm: cfg["context_embedder_config"]["params"]["in_features"],
         lambda cfg, dm: cfg["adm_in_channels"]),
     "WAN21": _Conditioning(512, lambda cfg, dm: dm.text_embedding[0].in_features),
+    # Qwen-Image's Qwen2.5-VL does not pad: 256 tokens stand for a long prompt
+    "QwenImage": _Conditioning(256, lambda cfg, dm: dm.txt_in.in_features),
+    # HunyuanVideo: LLaVA-Llama-3 (1.0) or Qwen2.5-VL (1.5) text, 256 tokens; 1.0 reads a pooled
+    # CLIP-L vector, 1.5 none
+    "HunyuanVideo": _Conditioning(256, lambda cfg, dm: dm.params.context_in_dim, lambda cfg, dm: dm.params.vec_in_dim),
+    "HunyuanVideo15": _Conditioning(256, lambda cfg, dm: dm.params.context_in_dim,
+                                    lambda cfg, dm: dm.params.vec_in_dim or 0),
 }
 
 # Temporal compression of 3-D latents on hosts whose latent formats do not say (ComfyUI 0.3.x).
@@ -119,8 +126,8 @@ def _model_call(patched, shape: Shape):
     dev = patched.load_device
     x = torch.zeros(_latent(base.latent_format, shape), device=dev)
     cond = {"cross_attn": torch.zeros(1, fam.tokens, width), "model_conds": {}}
-    if pooled:
-        cond["pooled_output"] = torch.zeros(1, pooled)
+    # a text encode's conditioning always has the key; encoders without a pooled vector give None
+    cond["pooled_output"] = torch.zeros(1, pooled) if pooled else None
     try:  # the host's own conditioning code, as the sampler runs it for one positive prompt
         (cond,) = comfy.samplers.encode_model_conds(base.extra_conds, [cond], x, dev, "positive",
                                                     latent_image=x, denoise_mask=None, seed=0)

@@ -1,6 +1,7 @@
 """The plan preview through the Max VRAM node: with a 'Preview shape' connected, each connected
 model's plan is traced at that shape before anything runs. For the tiny families built through
-ComfyUI's loaders (SD3, Wan 2.1, the SD VAE, CLIP-L): the node shows the traced plan marked
+ComfyUI's model configs and loaders (SD 1.x, SDXL, Flux, SD3, Qwen-Image, HunyuanVideo 1.0
+and 1.5 where the host has it, Wan 2.1, the SD VAE, CLIP-L): the node shows the traced plan marked
 "traced" with the shape; the preview copies no weight and runs no forward; the model is
 unchanged; the plan the real first run then uses at the same shape is the previewed one (the call
 with the same inputs reuses the traced profile, and its output equals the unpatched model's). A
@@ -97,6 +98,13 @@ def _budget(pack, max_vram, slot, model, shp) -> float:
     return (plan["activation_reserve_bytes"] + sum(u["weight_bytes"] for u in plan["units"]) * 3 // 4) / GIB
 
 
+# the sweep's tiny HunyuanVideo, with the 16-channel latents of the host's loader
+HUNYUAN = dict(in_channels=16, out_channels=16, vec_in_dim=16, context_in_dim=32, hidden_size=64, mlp_ratio=2.0,
+               num_heads=2, depth=1, depth_single_blocks=2, axes_dim=[8, 12, 12], theta=256, patch_size=[1, 2, 2],
+               qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False, use_cond_type_embedding=False,
+               vision_in_dim=None, meanflow_sum=False)
+
+
 def built(family: str):
     """A tiny model of a family with fixed sizes in the host's loader, through the host's own
     model config class (``comfy.supported_models``), seeded, in a plain ModelPatcher."""
@@ -115,7 +123,16 @@ def built(family: str):
         "SDXL": (sm.SDXL, dict(unet, use_linear_in_transformer=True, adm_in_channels=2816, num_classes="sequential")),
         "Flux": (sm.Flux, dict(image_model="flux", **tf.host_kwargs(FluxParams, **dict(tf.FLUX_KW, in_channels=16,
                                                                                        out_channels=16)))),
+        "QwenImage": (sm.QwenImage, dict(image_model="qwen_image", patch_size=2, in_channels=64, out_channels=16,
+                                         num_layers=2, attention_head_dim=32, num_attention_heads=2,
+                                         joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(8, 12, 12))),
+        "HunyuanVideo": (sm.HunyuanVideo, dict(image_model="hunyuan_video", **HUNYUAN)),
+        "HunyuanVideo15": (getattr(sm, "HunyuanVideo15", None),
+                           dict(image_model="hunyuan_video", **dict(HUNYUAN, in_channels=65, out_channels=32,
+                                                                    vec_in_dim=None))),
     }[family]
+    if cls is None:
+        pytest.skip(f"this host has no {family} models")
     mc = cls(cfg)
     if family == "SDXL":  # its fixed 64-wide heads are wider than the tiny model's 32 channels
         mc.unet_config["num_head_channels"] = 16
@@ -130,7 +147,7 @@ def _cond(tokens: int, width: int, pooled: int | None = None):
 
     def one():
         return [[torch.randn(1, tokens, width, generator=g),
-                 {"pooled_output": torch.randn(1, pooled, generator=g)} if pooled else {}]]
+                 {"pooled_output": torch.randn(1, pooled, generator=g) if pooled else None}]]
     return one(), one()
 
 
@@ -140,6 +157,9 @@ MODELS = {
     "SDXL": (lambda: built("SDXL"), lambda: _cond(77, 32, 1280), (1, 4, 16, 16), (128, 128, 1)),
     "Flux": (lambda: built("Flux"), lambda: _cond(256, 32, 16), (1, 16, 16, 16), (128, 128, 1)),
     "SD3": (lambda: tm.load_tiny_sd3(), lambda: tm.tiny_sd3_conditioning(tokens=154), (1, 16, 16, 16), (128, 128, 1)),
+    "QwenImage": (lambda: built("QwenImage"), lambda: _cond(256, 32), (1, 16, 1, 16, 16), (128, 128, 1)),
+    "HunyuanVideo": (lambda: built("HunyuanVideo"), lambda: _cond(256, 32, 16), (1, 16, 2, 8, 8), (64, 64, 5)),
+    "HunyuanVideo15": (lambda: built("HunyuanVideo15"), lambda: _cond(256, 32), (1, 32, 2, 4, 4), (64, 64, 5)),
     "WAN21": (lambda: tm.load_tiny_wan21(), lambda: tm.tiny_wan_conditioning(tokens=512), (1, 16, 2, 8, 8),
               (64, 64, 5)),
 }
