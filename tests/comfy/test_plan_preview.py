@@ -111,6 +111,7 @@ def built(family: str):
     import comfy.model_patcher
     import comfy.supported_models as sm
     from comfy.ldm.flux.model import FluxParams
+    from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
 
     import test_families as tf
 
@@ -126,10 +127,11 @@ def built(family: str):
         "QwenImage": (sm.QwenImage, dict(image_model="qwen_image", patch_size=2, in_channels=64, out_channels=16,
                                          num_layers=2, attention_head_dim=32, num_attention_heads=2,
                                          joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(8, 12, 12))),
-        "HunyuanVideo": (sm.HunyuanVideo, dict(image_model="hunyuan_video", **HUNYUAN)),
+        "HunyuanVideo": (sm.HunyuanVideo, dict(image_model="hunyuan_video", **tf.host_kwargs(HunyuanVideoParams,
+                                                                                             **HUNYUAN))),
         "HunyuanVideo15": (getattr(sm, "HunyuanVideo15", None),
-                           dict(image_model="hunyuan_video", **dict(HUNYUAN, in_channels=65, out_channels=32,
-                                                                    vec_in_dim=None))),
+                           dict(image_model="hunyuan_video", **tf.host_kwargs(
+                               HunyuanVideoParams, **dict(HUNYUAN, in_channels=65, out_channels=32, vec_in_dim=None)))),
     }[family]
     if cls is None:
         pytest.skip(f"this host has no {family} models")
