@@ -33,9 +33,10 @@ const LEGACY_PROPERTY = "vramcut_plan"; // older versions saved the plan here: s
 const VIEW_PROPERTY = "vramcut_view";   // "details" when the user expanded the node (a user edit)
 const WIDGET_NAME = "vramcut_plan";
 const MARGIN = 6; // px around the widget inside the node
-const MIN_NODE_WIDTH = 360;
+const MIN_NODE_WIDTH = 360; // a new node's width (the plan reads whole at it)
 const MIN_WIDGET_HEIGHT = 24; // the node can be shrunk down to the header row
 const HISTORY_ITEMS = 64;
+const BUDGET_WIDGETS = new Set(["max_vram_gb", "reserve_gb"]);
 
 watchPage();
 
@@ -100,6 +101,22 @@ function recentHistory() {
   return historyRequest;
 }
 
+// A cleared workflow ("Clear Workflow", or a new blank one) has this id until it is saved or
+// loaded again, when the frontend gives it a new one: its runs cannot be found by id.
+const NO_GRAPH_ID = "00000000-0000-0000-0000-000000000000";
+
+/** The workflow a run was queued from holds this very node: the same nodes (ids and types) and
+ * this node's inputs set alike. */
+function sameWorkflow(saved, node) {
+  const nodes = Array.isArray(saved?.nodes) ? saved.nodes : [];
+  const own = nodes.find((n) => String(n?.id) === String(node.id));
+  if (!own || own.type !== node.type) return false;
+  const values = (node.widgets ?? []).filter((w) => w.serialize !== false && w.options?.serialize !== false).map((w) => w.value);
+  if (JSON.stringify(own.widgets_values ?? []) !== JSON.stringify(values)) return false;
+  const ids = (list) => list.map((n) => `${n?.id}:${n?.type}`).sort().join(",");
+  return ids(nodes) === ids(node.graph?.nodes ?? []);
+}
+
 async function planFromHistory(node) {
   const history = await recentHistory();
   const id = String(node.id);
@@ -110,9 +127,12 @@ async function planFromHistory(node) {
     if (!out) continue;
     const prompt = Array.isArray(entry.prompt) ? entry.prompt : [];
     if (prompt[2]?.[id]?.class_type !== node.type) continue;
-    // only this workflow's own runs (a prompt sent through the API names no workflow)
-    const wf = prompt[3]?.extra_pnginfo?.workflow?.id;
-    if (!wf || !gid || String(wf) !== gid) continue;
+    // only this workflow's own runs (a prompt sent through the API names no workflow); a run of
+    // a cleared workflow is known by its nodes, as its id changed when it was loaded again
+    const saved = prompt[3]?.extra_pnginfo?.workflow;
+    const wf = saved?.id ? String(saved.id) : null;
+    if (!wf || !gid) continue;
+    if (wf !== gid && !(wf === NO_GRAPH_ID && sameWorkflow(saved, node))) continue;
     found = lastPayload(out) ?? found; // the history lists the newest last
   }
   return found;
@@ -203,6 +223,11 @@ function attachPlan(node) {
   });
   widget.serialize = false; // keep widgets_values to the real inputs
   node.vramcutWidget = widget;
+  // The budgets step by 0.05 GiB and round to 0.001 GiB; the host shows as many decimals as the
+  // step has, so 0.001 read "0.00": show the three the rounding keeps.
+  for (const w of node.widgets ?? []) {
+    if (BUDGET_WIDGETS.has(w.name) && w.options) w.options.precision = 3;
+  }
 
   // Grow the node to show the plan; shrink only on the user's own request (`shrink`). A plan
   // that fits changes nothing, so a run with no edit leaves a saved workflow unchanged.
@@ -214,7 +239,7 @@ function attachPlan(node) {
   node.vramcutFit = ({ shrink = false, tries = 0 } = {}) => {
     if (node.flags?.collapsed) return;
     settled = false;
-    const w = Math.max(node.size[0], MIN_NODE_WIDTH);
+    const w = node.size[0]; // a new node starts at MIN_NODE_WIDTH; a width the user chose stays
     const area = view.el.clientHeight;
     if (area > 0 && lastFit && lastFit.h === node.size[1] && lastFit.area === area) {
       // the host has not laid out the last size yet: look again in a frame
