@@ -82,9 +82,39 @@ function graphId() {
 }
 
 // Plans seen in this page, by workflow and node: a workflow loaded again (tab switch, undo)
-// shows its plan without asking the server.
+// shows its plan without asking the server. Each is kept with the inputs it was planned for.
 const seen = new Map();
 const seenKey = (node) => `${graphId() ?? ""}:${node.id}`;
+
+/** The node's own inputs (its widgets by name): a plan made for other values is not this
+ * node's plan (an example opened again, with the budget it was saved with). */
+function inputsOf(node) {
+  const out = {};
+  for (const w of node.widgets ?? []) if (w.name && w.name !== WIDGET_NAME && w.serialize !== false) out[w.name] = w.value;
+  return out;
+}
+
+/** True when every input the run had that is one of the node's widgets has the widget's value. */
+function sameInputs(ran, node) {
+  const now = inputsOf(node);
+  return Object.entries(ran ?? {}).every(([k, v]) => !(k in now) || Array.isArray(v) || JSON.stringify(v) === JSON.stringify(now[k]));
+}
+
+/** The graph's inputs in the shape of an API prompt ({id: {class_type, inputs}}), widgets only. */
+function graphInputs(graph) {
+  const out = {};
+  for (const n of graph?.nodes ?? []) out[n.id] = { class_type: n.type, inputs: inputsOf(n) };
+  return out;
+}
+
+/** True when the nodes of a run (the API prompt) that are in this graph had the inputs they have
+ * now: the plan depends on the loaders above the node too (another model, another plan). */
+function samePrompt(prompt, graph) {
+  return Object.entries(prompt ?? {}).every(([id, p]) => {
+    const n = graph?.getNodeById?.(id);
+    return !n || n.type !== p?.class_type || sameInputs(p.inputs, n);
+  });
+}
 
 // After a page reload the plans come from the server's history: the newest output of a node
 // with this id and type, from this workflow when the history says which.
@@ -105,14 +135,9 @@ function recentHistory() {
 // loaded again, when the frontend gives it a new one: its runs cannot be found by id.
 const NO_GRAPH_ID = "00000000-0000-0000-0000-000000000000";
 
-/** The workflow a run was queued from holds this very node: the same nodes (ids and types) and
- * this node's inputs set alike. */
+/** The workflow a run was queued from has the same nodes (ids and types) as this node's. */
 function sameWorkflow(saved, node) {
   const nodes = Array.isArray(saved?.nodes) ? saved.nodes : [];
-  const own = nodes.find((n) => String(n?.id) === String(node.id));
-  if (!own || own.type !== node.type) return false;
-  const values = (node.widgets ?? []).filter((w) => w.serialize !== false && w.options?.serialize !== false).map((w) => w.value);
-  if (JSON.stringify(own.widgets_values ?? []) !== JSON.stringify(values)) return false;
   const ids = (list) => list.map((n) => `${n?.id}:${n?.type}`).sort().join(",");
   return ids(nodes) === ids(node.graph?.nodes ?? []);
 }
@@ -126,7 +151,7 @@ async function planFromHistory(node) {
     const out = entry?.outputs?.[id]?.vramcut;
     if (!out) continue;
     const prompt = Array.isArray(entry.prompt) ? entry.prompt : [];
-    if (prompt[2]?.[id]?.class_type !== node.type) continue;
+    if (prompt[2]?.[id]?.class_type !== node.type || !samePrompt(prompt[2], node.graph)) continue;
     // only this workflow's own runs (a prompt sent through the API names no workflow); a run of
     // a cleared workflow is known by its nodes, as its id changed when it was loaded again
     const saved = prompt[3]?.extra_pnginfo?.workflow;
@@ -340,7 +365,7 @@ app.registerExtension({
       const view = this.vramcutView;
       if (!view) return;
       view.setPayload(payload);
-      if (payload) seen.set(seenKey(this), payload);
+      if (payload) seen.set(seenKey(this), { payload, inputs: graphInputs(this.graph) });
       syncVueHeader(this);
       // Grow only when the content's height changed since it was last fitted: a node the user
       // made smaller keeps its size through every run that draws the same kind of plan.
@@ -369,7 +394,8 @@ app.registerExtension({
       this.vramcutSettle?.(); // a loaded workflow keeps its saved size
       view.setDetails(this.properties?.[VIEW_PROPERTY] === "details");
       // A loaded workflow keeps its saved size: showing its plan again must not change it.
-      const known = seen.get(seenKey(this)) ?? this.properties?.[LEGACY_PROPERTY];
+      const kept = seen.get(seenKey(this));
+      const known = (kept && samePrompt(kept.inputs, this.graph) ? kept.payload : null) ?? this.properties?.[LEGACY_PROPERTY];
       if (known) this.vramcutShow(known, { fit: false });
       else {
         planFromHistory(this).then((p) => {

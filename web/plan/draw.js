@@ -227,9 +227,10 @@ function drawBanner(pen, msg, color, details, tip = msg, headline = null) {
     ctx.fill();
   }
   pen.text("!", 14, y + 13.5, inkOn(color), pen.font(12, 800), "center", color);
-  head.forEach((l, i) => pen.text(l, 28, y + 5 + 8 + i * 16, theme.strong, pen.font(13, 700)));
+  head.forEach((l, i) => pen.text(l, 28, y + 5 + 8 + i * 16, theme.strong, pen.font(13, 700), "left", null, "banner"));
   const top = y + 5 + head.length * 16;
-  lines.forEach((l, i) => pen.text(l, 28, top + 7.5 + i * 15, headline ? theme.fg : theme.strong, pen.font(12, headline ? 500 : 600)));
+  lines.forEach((l, i) => pen.text(l, 28, top + 7.5 + i * 15, headline ? theme.fg : theme.strong, pen.font(12, headline ? 500 : 600),
+    "left", null, "banner"));
   pen.tip(0, y, W, h, tip);
   pen.y += h + 6;
 }
@@ -305,8 +306,8 @@ function drawTitle(pen, m, refused = null) {
   }
   pen.text(badge, W - bw / 2, y + 9.5, inkOn(fill), pen.font(11, 700), "center", fill, "badge");
   ctx.font = pen.font(12, 600);
-  // the label wraps beside the badge (a narrow node), whole up to two rows
-  const rows = wrapText(ctx, m.label, W - bw - 8, 2);
+  // the label wraps beside the badge (a narrow node), whole up to three rows
+  const rows = wrapText(ctx, m.label, W - bw - 8, 3);
   rows.forEach((l, i) => pen.text(l, 0, y + 9 + i * 15, theme.strong, pen.font(12, 600), "left", null, "label"));
   pen.tip(W - bw, y, bw, 18, refused ? "The run was refused: this budget cannot hold it. The banner says which budget works."
     : measured ? `Measured for input ${m.signature ?? "(this shape)"}: activations and time come from a real run.`
