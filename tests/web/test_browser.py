@@ -599,11 +599,12 @@ def _wait_run(browser, server, node_id, stage: str, grace_s: float = 10.0):
     return _wait(browser, f"the run to finish with a {stage!r} plan drawn", ready, timeout=PROMPT_TIMEOUT_S)
 
 
-def _node_crop(browser, node_id, scale, width=None, hide_links=None, pad=8):
-    """PNG of the node (title, widgets and plan) cut out of a page screenshot."""
+def _node_crop(browser, node_id, scale, width=None, hide_links=None, pad=8, at=(100, 90)):
+    """PNG of the node (title, widgets and plan) cut out of a page screenshot; ``at``: where on
+    the page the node's top left goes (the default is clear of the sidebar)."""
     from PIL import Image
 
-    box = browser.execute_async_script(FRAME_NODE_JS, node_id, scale, 100, 90, width, hide_links)  # clear of the sidebar
+    box = browser.execute_async_script(FRAME_NODE_JS, node_id, scale, at[0], at[1], width, hide_links)
     assert box["settled"] and box["fits"], ("the plan was not redrawn at the new size / zoom", box)
     page = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
     l, t = max(0, int(box["left"]) - pad), max(0, int(box["top"]) - pad)
