@@ -326,18 +326,27 @@ function drawAnswer(pen, m, a) {
   const parts = [[a.verdict, a.fits ? theme.fits : COLORS.over, verdictFont],
     ...[a.vram, a.stream, a.time].map((t) => [t, theme.fg, restFont])];
   let x = 0;
+  const place = (s, color, font) => {
+    pen.text(s, x, pen.y + 8, color, font, "left", null, "answer");
+    x += ctx.measureText(s).width;
+  };
+  const newRow = () => {
+    pen.y += 17;
+    x = 0;
+  };
   parts.forEach(([t, color, font], i) => {
     ctx.font = font;
     const sep = i && x > 0 ? " · " : "";
-    let w = ctx.measureText(sep + t).width;
-    if (x > 0 && x + w > W) {
-      pen.y += 17;
-      x = 0;
-      w = ctx.measureText(t).width;
+    if (x > 0 && x + ctx.measureText(sep + t).width > W) newRow();
+    if (ctx.measureText(t).width <= W - x) place(x > 0 ? sep + t : t, color, font);
+    else {
+      // a part wider than the node: its words flow over rows, each whole
+      t.split(" ").forEach((word, k) => {
+        const gap = k ? " " : x > 0 ? sep : "";
+        if (x > 0 && x + ctx.measureText(gap + word).width > W) newRow();
+        place(x > 0 ? gap + word : fitText(ctx, word, W), color, font);
+      });
     }
-    const s = x > 0 ? sep + t : fitText(ctx, t, W);
-    pen.text(s, x, pen.y + 8, color, font, "left", null, "answer");
-    x += ctx.measureText(s).width;
   });
   pen.y += 18;
   pen.tip(0, answerTop, W, pen.y - answerTop, a.refused ? "Refused: the budget is too small for this run." : costTip(m));
