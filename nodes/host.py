@@ -24,7 +24,7 @@ from comfy.patcher_extension import CallbacksMP
 
 from ..vramcut_core.tensors import GIB
 from . import streams
-from .host_gpu import host_pinning  # noqa: F401  (the adapter's pinning rule, read here by tests)
+from .host_gpu import host_fast_disk, host_pinning  # noqa: F401  (host_pinning: the adapter's pinning rule, read here by tests)
 from .lora import _host_patch_functions, merge_shape_changing_on_host, mergeable_patch_keys
 from .state import KEY, PatchState, VRAMCutError, state_of
 
@@ -190,6 +190,7 @@ def to_vramcut_patcher(patcher, state: PatchState):
         # host made (on dynamic-VRAM hosts its answer counts what it would evict)
         ref = weakref.ref(patcher)
         state.free_memory = lambda device: (ref() or mm).get_free_memory(device)
+    state.fast_disk = host_fast_disk(patcher)
     clone.attachments[KEY] = state
     for ctype, fn in ((CallbacksMP.ON_CLEANUP, state.finish), (CallbacksMP.ON_DETACH, state.release)):
         clone.remove_callbacks_with_key(ctype, KEY)

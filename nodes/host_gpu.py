@@ -1,8 +1,9 @@
-"""The host's own use of page-locked memory and of recorded allocation graphs, as far as the
-engines must follow it: whether the pack may pin (and how much the host's limit leaves), and the
-context that keeps the executor's allocations out of the host's malloc graphs. Owns no memory;
-the one rule: the pack's pins stay within what the host allows. May call ComfyUI's
-model_management and cli_args, and the engine's pin ledger.
+"""The host's own use of page-locked memory, of recorded allocation graphs and of fast disks, as
+far as the engines must follow it: whether the pack may pin (and how much the host's limit
+leaves), whether the host streams a model from a fast disk (then the engine keeps file-backed
+weights as their own masters), and the context that keeps the executor's allocations out of the
+host's malloc graphs. Owns no memory; the one rule: the pack's pins stay within what the host
+allows. May call ComfyUI's model_management and cli_args, and the engine's pin ledger.
 """
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ def host_pinning() -> bool:
     PINNED.room = lambda: int(mm.MAX_PINNED_MEMORY - getattr(mm, "TOTAL_PINNED_MEMORY", 0)
                                               - PINNED.bytes)
     return True
+
+
+def host_fast_disk(patcher) -> bool:
+    """Whether the host streams this model's weights from a fast disk rather than holding them in
+    RAM. ComfyUI 0.38 decides it per model (``ModelPatcher(..., fast_disk=...)``, from where the
+    loader's file lies, ``--fast-disk`` / ``--disable-fast-disk`` applied; ``clone()`` passes it
+    on); 0.33 has only the process-wide ``--fast-disk``; 0.3.x neither (False)."""
+    decided = getattr(patcher, "fast_disk", None)
+    if decided is not None:
+        return bool(decided)
+    from comfy.cli_args import args
+    return bool(getattr(args, "fast_disk", False)) and not getattr(args, "disable_fast_disk", False)
 
 
 def host_allocation_pause():

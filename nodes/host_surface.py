@@ -95,6 +95,12 @@ SURFACE: tuple[Use, ...] = (
     Use("comfy.model_management.get_offload_stream", "guarded", ("device",), "callable", newest=MM_SAME),
     Use("comfy.cli_args.args.disable_pinned_memory", "guarded", hosts="0.33.0",
         newest="same (comfy/cli_args.py: --disable-pinned-memory)"),
+    Use("comfy.cli_args.args.fast_disk", "guarded", hosts="0.33.0",
+        note="read where the patcher has no fast_disk of its own (nodes/host_gpu.py host_fast_disk)",
+        newest="same (comfy/cli_args.py: --fast-disk, forces disk-backed loading; ModelPatcher.fast_disk "
+               "already applies it, comfy/storage.py model_fast_disk)"),
+    Use("comfy.cli_args.args.disable_fast_disk", "guarded", hosts="neither",
+        newest="added (comfy/cli_args.py: --disable-fast-disk, overrides --fast-disk)"),
     Use("comfy.cli_args.args.disable_comfy_compiler", "guarded", hosts="neither",
         note="set while VRAMCut runs a model, put back after (nodes/compiler.py); absent: no compiler",
         newest="added (comfy/cli_args.py: --disable-comfy-compiler, also turns off the compiler's CUDA graphs); "

@@ -1,8 +1,9 @@
-"""The Max VRAM nodes, in ComfyUI's V3 node API (``comfy_api.latest``).
+"""The Max VRAM nodes and the Preview shape node, in ComfyUI's V3 node API (``comfy_api.latest``).
 
 The one rule: what a saved workflow stores is the node's contract. Node ids, input names, their
 order (``widgets_values`` is positional), types, defaults and the output order stay as they were
-in the V1 classes, and the ``ui`` payload key the web extension reads stays ``"vramcut"``.
+in the V1 classes (inputs added since, like ``preview_shape``, are optional and come last), and
+the ``ui`` payload key the web extension reads stays ``"vramcut"``.
 """
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import logging
 
 from comfy_api.latest import ComfyExtension, io
 
-from ..vramcut_core import BudgetError
+from ..vramcut_core import BudgetError, TraceUnavailable
 from .state import MODES, NodeReport, Settings, VRAMCutError
 from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_model, patch_vae
+from .preview import SHAPE_TYPE, CannotPreview, Shape, preview, traced_at
+
+ShapeIO = io.Custom(SHAPE_TYPE)
 
 log = logging.getLogger("vramcut")
 
@@ -50,8 +54,38 @@ def _settings(kw) -> Settings:
     return Settings(kw["max_vram_gb"], kw["budget_mode"], kw["reserve_gb"], kw["prefetch"], kw["residency"]).validate()
 
 
-def _apply(unique_id, kw, pairs):
-    """Patch each (kind, value, fn) that is connected; returns the results and the ui payload."""
+def _preview_input() -> list:
+    """The optional input after the model inputs (appended last: saved workflows keep their
+    values where they were)."""
+    return [ShapeIO.Input("preview_shape", optional=True,
+                          tooltip="Connect 'Preview shape (VRAMCut)' to see, before anything runs, the plan "
+                                  "with activations at that width, height, frames and batch (a dry run "
+                                  "on fake tensors: no weight moves). Without it the node shows the "
+                                  "weights-only estimate until the first real run.")]
+
+
+def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None:
+    """Put the traced plan of ``patched`` at ``shape`` on the node; what went wrong otherwise
+    (the weights estimate stays drawn)."""
+    at = traced_at(kind, shape)
+    try:
+        engine, plan = preview(kind, patched, shape)
+    except (CannotPreview, TraceUnavailable) as e:
+        msg = f"{kind}: no plan preview at {at} ({e}); the plan shown is the weights estimate"
+        log.warning("VRAMCut: %s", msg)
+        return msg
+    except BudgetError as e:
+        msg = f"{kind} at {at}: {e}"
+        log.warning("VRAMCut: %s", msg)
+        report.fail(msg, e, kind=kind)
+        return None
+    report.set(kind, engine, plan, traced_at=at)
+    return None
+
+
+def _apply(unique_id, kw, pairs, shape: Shape | None = None):
+    """Patch each (kind, value, fn) that is connected, and with a ``shape`` show each one's
+    traced plan at it; returns the results and the ui payload."""
     report = NodeReport(unique_id, Settings(0.0))
     try:
         settings = _settings(kw)
@@ -77,22 +111,27 @@ def _apply(unique_id, kw, pairs):
             raise VRAMCutError(msg) from e
     if all(v is None for _, v, _ in pairs):
         report.notice("connect a model to see its plan")
+    elif shape is not None:
+        notes = [_preview(kind, v, shape, report) for (kind, _, _), v in zip(pairs, out) if v is not None]
+        if any(notes) and report.payload["message_level"] != "error":
+            report.notice("; ".join(n for n in notes if n))
     report.send()
     return out, report.payload
 
 
 def _schema(node_id: str, display_name: str, description: str, model_inputs: list, outputs: list) -> io.Schema:
     """Both nodes: the budget widgets first (saved workflows store their values in this order),
-    then the model inputs; an output node, so a plan preview runs with nothing downstream."""
+    then the model inputs, then the preview shape; an output node, so a plan preview runs with
+    nothing downstream."""
     return io.Schema(node_id=node_id, display_name=display_name, category="VRAMCut", description=description,
-                     inputs=_budget_inputs() + model_inputs, outputs=outputs,
+                     inputs=_budget_inputs() + model_inputs + _preview_input(), outputs=outputs,
                      hidden=[io.Hidden.unique_id], is_output_node=True)
 
 
-def _execute(node_cls, budget: dict, pairs) -> io.NodeOutput:
+def _execute(node_cls, budget: dict, pairs, shape: Shape | None) -> io.NodeOutput:
     # ComfyUI runs a node through a clone of its class that holds the hidden inputs.
     hidden = getattr(node_cls, "hidden", None)
-    out, payload = _apply(getattr(hidden, "unique_id", None), budget, pairs)
+    out, payload = _apply(getattr(hidden, "unique_id", None), budget, pairs, shape)
     return io.NodeOutput(*out, ui={UI_KEY: [payload]})
 
 
@@ -114,11 +153,11 @@ class VRAMCutMaxVRAM(io.ComfyNode):
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                model=None, clip=None, vae=None) -> io.NodeOutput:
+                model=None, clip=None, vae=None, preview_shape=None) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
                       prefetch=prefetch, residency=residency)
         return _execute(cls, budget, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
-                                      ("VAE", vae, patch_vae)])
+                                      ("VAE", vae, patch_vae)], preview_shape)
 
 
 class VRAMCutMaxVRAMExtras(io.ComfyNode):
@@ -137,14 +176,45 @@ class VRAMCutMaxVRAMExtras(io.ComfyNode):
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                upscale_model=None, clip_vision=None) -> io.NodeOutput:
+                upscale_model=None, clip_vision=None, preview_shape=None) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
                       prefetch=prefetch, residency=residency)
         return _execute(cls, budget, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
-                                      ("CLIP_VISION", clip_vision, patch_clip_vision)])
+                                      ("CLIP_VISION", clip_vision, patch_clip_vision)], preview_shape)
 
 
-NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras]
+class VRAMCutPreviewShape(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="VRAMCutPreviewShape", display_name="Preview shape (VRAMCut)", category="VRAMCut",
+            description="The shape a Max VRAM node previews its plan at: connect it to 'preview_shape' and "
+                        "the node draws, without running anything, the plan with activations for this "
+                        "width, height, frames and batch, marked 'traced'.",
+            inputs=[
+                io.Int.Input("width", default=1024, min=8, max=16384, step=8,
+                             tooltip="image or video width in pixels, as in the empty latent node"),
+                io.Int.Input("height", default=1024, min=8, max=16384, step=8,
+                             tooltip="image or video height in pixels, as in the empty latent node"),
+                io.Int.Input("frames", default=1, min=1, max=10000,
+                             tooltip="video frames (pixel frames, as in the empty video latent node); "
+                                     "1 for image models"),
+                io.Int.Input("batch", default=1, min=1, max=4096,
+                             tooltip="the batch each model call runs: the latent batch size (a sampler "
+                                     "with CFG above 1 often runs cond and uncond together: twice that)"),
+            ],
+            outputs=[ShapeIO.Output(display_name="preview_shape",
+                                    tooltip="connect to a Max VRAM node's preview_shape")])
+
+    @classmethod
+    def execute(cls, width, height, frames, batch) -> io.NodeOutput:
+        try:
+            return io.NodeOutput(Shape(width, height, frames, batch).validate())
+        except ValueError as e:
+            raise VRAMCutError(str(e)) from None
+
+
+NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras, VRAMCutPreviewShape]
 
 
 class VRAMCutExtension(ComfyExtension):

@@ -17,7 +17,7 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import BudgetError, Engine, EngineConfig
+from ..vramcut_core import BudgetError, Engine, EngineConfig, signature
 from ..vramcut_core import bandwidth
 from ..vramcut_core.plan import gib_text
 from ..vramcut_core.report import cost_to_json
@@ -34,7 +34,8 @@ KEY = "vramcut"            # wrapper / callback / attachment key
 EVENT = "vramcut.plan"     # server event the web extension listens to
 MODES = ("fixed", "free VRAM minus reserve")
 
-__all__ = ["KEY", "EVENT", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "NodeReport", "PatchState", "state_of"]
+__all__ = ["KEY", "EVENT", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "NodeReport", "PatchState", "Previewed",
+           "state_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,14 @@ class Settings:
         return b
 
 
+class Previewed(Exception):
+    """Ends a call made for a plan preview where the engine would have run it: the traced plan."""
+
+    def __init__(self, engine: Engine, plan) -> None:
+        super().__init__("plan preview")
+        self.engine, self.plan = engine, plan
+
+
 class NodeReport:
     """The payload one Max VRAM node shows: one entry per patched model, updated live."""
 
@@ -91,13 +100,17 @@ class NodeReport:
                               "models": []}
         self._index: dict[str, int] = {}
 
-    def set(self, kind: str, engine: Engine, plan=None) -> None:
+    def set(self, kind: str, engine: Engine, plan=None, traced_at: str | None = None) -> None:
+        """Show ``plan`` (the engine's latest by default) as ``kind``'s entry; ``traced_at``: the
+        plan is a preview's, traced at that shape (stage "traced", the label the node draws)."""
         d = engine.describe(plan)
         # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
         d["plan"]["cost"] = cost_to_json(d["plan"], bandwidth.host_to_device(engine.config.device))
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
                  "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
                  "verify": d.get("verify") or []}
+        if traced_at is not None:
+            entry.update(stage="traced", traced_at=traced_at)
         if kind in self._index:
             self.payload["models"][self._index[kind]] = entry
         else:
@@ -150,8 +163,10 @@ class PatchState:
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
         self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
+        self.fast_disk = False   # the host streams the model from a fast disk: keep file-backed masters
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
         self.teardown_pending = False  # the host tore the model down during a forward: release after it
+        self.previewing = False  # a plan preview: calls reaching ``run`` give their traced plan, nothing runs
 
     def on_model_patcher_clone(self):
         return self
@@ -164,7 +179,7 @@ class PatchState:
         if eng is None or eng.executor.device != dev:
             cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               pinned=self.pinned, pin_memory=host_pinning())
+                               pinned=self.pinned, pin_memory=host_pinning(), keep_file_backed=self.fast_disk)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
             eng.executor.alloc_context = host_allocation_pause()
             streams.attach(eng, dev)
@@ -227,13 +242,19 @@ class PatchState:
         """Run through the engine, merging ``patcher``'s weight patches into each unit's device
         copy as it arrives. A budget that cannot hold this call is a plain error naming what does
         not fit and the smallest budget; it becomes an OOM error only where the host has a
-        fallback that makes the call smaller (tiled VAE, smaller upscale tiles)."""
+        fallback that makes the call smaller (tiled VAE, smaller upscale tiles). In a plan
+        preview the call only traces (``Previewed`` carries its plan; budget errors pass as they
+        are): no budget resolved, nothing copied, nothing remembered but the traced profile."""
+        merge = DeviceMerge.for_call(patcher, engine.module)
+        if self.previewing:
+            with _host_quiet(merge):
+                plan = engine.preview_as(signature(args, kwargs) if sig is None else sig, fn, *args, **kwargs)
+            raise Previewed(engine, plan)
         if self.settings.budget_mode != "fixed" and engine not in self._resolved and not engine.executor.running:
             # "free VRAM minus reserve" is what is free when the model first runs (ComfyUI has
             # made room for it by then), not when the node ran
             self._resolved.add(engine)
             engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device), self.free_memory))
-        merge = DeviceMerge.for_call(patcher, engine.module)
         key = merge.key if merge is not None else None
         if self._patches.get(engine, key) != key and not engine.executor.running:
             engine.release()  # held device copies were merged with other patches
@@ -241,8 +262,7 @@ class PatchState:
         engine.executor.on_loaded = merge
         try:
             steady = engine.steady_stats.forwards
-            # the host's compiler stays off for the call (CLIP, VAE and the rest have no sampling run)
-            with compiler_off(), merge.host_patches_off() if merge is not None else contextlib.nullcontext():
+            with _host_quiet(merge):  # the compiler off: CLIP, VAE and the rest have no sampling run
                 out = engine.run(fn, *args, **kwargs) if sig is None else engine.run_as(sig, fn, *args, **kwargs)
             if self.kind != "MODEL" and engine.steady_stats.forwards > steady and not engine.executor.running:
                 # an encode / decode that ran the plan: the node shows its measured cost (sampling
@@ -273,6 +293,14 @@ class PatchState:
             if self.teardown_pending and not self.running:
                 self.teardown_pending = False
                 self.release()
+
+
+@contextlib.contextmanager
+def _host_quiet(merge):
+    """The host's model compiler off, and its per-forward patch functions where ``merge`` puts
+    the patches into the device copies instead."""
+    with compiler_off(), merge.host_patches_off() if merge is not None else contextlib.nullcontext():
+        yield
 
 
 # The tile sizes ComfyUI's VAE falls back to after an out-of-memory error (latent units for a

@@ -2,7 +2,7 @@
 
 Imports torch only, never ComfyUI. See ``Engine`` for the entry point.
 """
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, TraceUnavailable
 from .executor import SegmentedExecutor
 from .measure import signature
 from .plan import BudgetError, Plan, PlanOptions, PlanUnit, Segment, build_plan, gib_to_bytes, make_plan
@@ -13,6 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetError", "Engine", "EngineConfig", "FAMILIES", "Family", "Plan", "PlanOptions", "PlanUnit",
-    "RunStats", "Segment", "SegmentedExecutor", "Unit", "UnitSet", "build_plan", "find_units",
+    "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet", "build_plan", "find_units",
     "gib_to_bytes", "make_plan", "plan_to_json", "plan_to_text", "signature", "split_unit",
 ]

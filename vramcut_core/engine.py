@@ -62,6 +62,8 @@ class EngineConfig:
     pinned: tuple[str, ...] = ()     # unit name patterns that must stay resident
     track_cpu_memory: bool = False   # measure activations on every CPU forward, not only the first
     pin_memory: bool = True          # page-lock host masters (CUDA); off: plain pageable copies
+    keep_file_backed: bool = False   # file-mapped weights stay their own masters (no flat host
+                                     # copy), streamed through a page-locked window (a fast disk)
     verify: bool = dataclasses.field(default_factory=verify_from_env)  # compare first forwards with unpatched
 
     def __post_init__(self) -> None:
@@ -73,6 +75,10 @@ class EngineConfig:
         return PlanOptions(prefetch=self.prefetch, residency=self.residency)
 
 
+class TraceUnavailable(RuntimeError):
+    """The dry run could not run these inputs (``Engine.preview_as``); the message says why."""
+
+
 class Engine:
     def __init__(self, module: nn.Module, config: EngineConfig,
                  on_plan: Callable[["Engine", Plan, tuple], None] | None = None) -> None:
@@ -80,7 +86,8 @@ class Engine:
         self.on_plan = on_plan
         self.planner = UnitPlanner(module, config)
         self.executor = SegmentedExecutor(self.planner.unit, config.device, pin_memory=config.pin_memory,
-                                          track_cpu_memory=config.track_cpu_memory, module=module)
+                                          track_cpu_memory=config.track_cpu_memory, module=module,
+                                          keep_file_backed=config.keep_file_backed)
         self.planner.unit_bytes = self.executor.unit_device_bytes
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
@@ -148,22 +155,11 @@ class Engine:
                 hopeless = base.resident_bytes + e.activation_bytes > budget  # no slot would help
                 if (e.kind == "weights" or base.slot_bytes == 0 or hopeless
                         or (last is not None and held >= last)):
-                    raise self._stopped_error(base, e) from None
+                    raise _stopped_error(base, e, budget, self.executor.unit_device_bytes) from None
                 log.info("VRAMCut: measuring forward stopped before passing the budget in '%s' "
                          "(%s weights + %s activations); cutting the slot finer", e.unit,
                          fmt_bytes(e.weight_bytes), fmt_bytes(e.activation_bytes))
                 last, cap = held, base.slot_bytes - 1  # cut every unit of the slot's size
-
-    def _stopped_error(self, base: Plan, e: OverBudget) -> BudgetError:
-        """A measuring forward stopped: what it saw is a lower bound of the budget that works (the
-        units after the one it stopped in were never run)."""
-        held = base.resident_bytes + (self.executor.unit_device_bytes(e.unit) if e.kind == "weights"
-                                      else base.window_bytes)
-        detail = ("this forward runs it and it cannot be cut finer" if e.kind == "weights" else
-                  "cut as fine as they go; the forward was stopped there")
-        return budget_error(e.unit or "?", self.config.budget_bytes, kind=e.kind, weight_bytes=held,
-                            activation_bytes=e.activation_bytes, min_budget_bytes=held + e.activation_bytes,
-                            exact=False, detail=detail, bound=STOPPED)
 
     def _first_forward(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
         """The first forward of a signature: (output, stats, measurements by whole unit, source).
@@ -173,13 +169,10 @@ class Engine:
         blocks it does not reuse: what the CUDA meter counts), so the first forward is the
         measuring one, its slot cut up front to fit beside the traced activations. Either way it
         stops before passing the budget, and is measured the old way if it does."""
-        tr = self.traces.get(sig)
-        if tr is None:
-            self.executor.restore_weights()  # the dry run swaps the registries the held copies use
-            tr = self.traces[sig] = trace_units(self.module, self.unitset.units, fn, args, kwargs)
-            if tr.reason is not None:
-                log.warning("VRAMCut: the dry run could not run (%s); the first forward measures the "
-                            "activations instead (a budget too small is found only as it runs)", tr.reason)
+        tr = self._trace(sig, fn, args, kwargs)
+        if tr.reason is not None:
+            log.warning("VRAMCut: the dry run could not run (%s); the first forward measures the "
+                        "activations instead (a budget too small is found only as it runs)", tr.reason)
         if tr.measurements is None:
             return (*self._measure(fn, args, kwargs), MEASURED)
         plan = self.planner.measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
@@ -195,6 +188,27 @@ class Engine:
                         "activations); measuring it again", e.unit, fmt_bytes(e.weight_bytes),
                         fmt_bytes(e.activation_bytes))
         return (*self._measure(fn, args, kwargs), TRACED)
+
+    def _trace(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict, keep_failure: bool = True) -> TraceResult:
+        """The dry run's profile of ``sig``, cached (a failure only with ``keep_failure``)."""
+        tr = self.traces.get(sig)
+        if tr is None:
+            self.executor.restore_weights()  # the dry run swaps the registries the held copies use
+            tr = trace_units(self.module, self.unitset.units, fn, args, kwargs)
+            if tr.measurements is not None or keep_failure:
+                self.traces[sig] = tr
+        return tr
+
+    def preview_as(self, sig: tuple, fn: Callable, *args, **kwargs) -> Plan:
+        """The plan the first forward of ``fn(*args, **kwargs)`` (input signature ``sig``) would
+        run, from the dry run alone: no weight copied, no real forward. A budget too small is a
+        ``BudgetError``, a forward the dry run cannot run a ``TraceUnavailable``; neither is
+        remembered. Only the traced profile stays, cached as the first forward would cache it."""
+        self.revalidate()
+        tr = self._trace(sig, fn, args, kwargs, keep_failure=False)
+        if tr.measurements is None:
+            raise TraceUnavailable(tr.reason or "the dry run gave no figures")
+        return self.planner.measured_plan(dict(tr.measurements), TRACED)
 
     def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> Plan | None:
         return self._plans.get(signature(args, kwargs or {}))
@@ -325,18 +339,7 @@ class Engine:
         try:
             return run(fn, args, kwargs)
         except torch.OutOfMemoryError as e:
-            ex = self.executor
-            unit = ex.failed_unit
-            where = "before any unit ran" if ex.failed_tracked else "in a resident segment"
-            if unit is not None:
-                seg = _segment_of(ex.failed_plan, unit) if ex.failed_plan is not None else None
-                where = f"in segment '{seg or unit}'"
-                if not ex.failed_tracked:  # resident units are not hooked outside measuring
-                    where += " or a resident segment after it"
-            msg = (f"VRAMCut: out of memory {where}, with {fmt_bytes(ex.failed_device_bytes)} of weights on "
-                   f"the device under a budget of {fmt_bytes(self.config.budget_bytes)} (all released; the "
-                   f"model is unchanged): {e}")
-            raise torch.OutOfMemoryError(msg) from e
+            raise torch.OutOfMemoryError(_oom_message(self.executor, self.config.budget_bytes, e)) from e
 
     def reset_stats(self) -> None:
         self.stats = RunStats()
@@ -368,6 +371,31 @@ class Engine:
                                  self.steady_stats if plan.measured else None),
             "verify": list(self.verify_results),
         }
+
+
+def _stopped_error(base: Plan, e: OverBudget, budget: int, unit_bytes: Callable[[str], int]) -> BudgetError:
+    """A measuring forward stopped: what it saw is a lower bound of the budget that works (the
+    units after the one it stopped in were never run)."""
+    held = base.resident_bytes + (unit_bytes(e.unit) if e.kind == "weights" else base.window_bytes)
+    detail = ("this forward runs it and it cannot be cut finer" if e.kind == "weights" else
+              "cut as fine as they go; the forward was stopped there")
+    return budget_error(e.unit or "?", budget, kind=e.kind, weight_bytes=held,
+                        activation_bytes=e.activation_bytes, min_budget_bytes=held + e.activation_bytes,
+                        exact=False, detail=detail, bound=STOPPED)
+
+
+def _oom_message(ex: SegmentedExecutor, budget: int, e: Exception) -> str:
+    """A real out-of-memory error, naming the segment that ran and the bytes the executor held
+    (it has released them by then)."""
+    unit = ex.failed_unit
+    where = "before any unit ran" if ex.failed_tracked else "in a resident segment"
+    if unit is not None:
+        seg = _segment_of(ex.failed_plan, unit) if ex.failed_plan is not None else None
+        where = f"in segment '{seg or unit}'"
+        if not ex.failed_tracked:  # resident units are not hooked outside measuring
+            where += " or a resident segment after it"
+    return (f"VRAMCut: out of memory {where}, with {fmt_bytes(ex.failed_device_bytes)} of weights on "
+            f"the device under a budget of {fmt_bytes(budget)} (all released; the model is unchanged): {e}")
 
 
 def _buffers(plan: Plan) -> tuple:
@@ -407,4 +435,4 @@ def verify_unpatched(sig: tuple, out, fn: Callable, args: tuple, kwargs: dict) -
 
 
 
-__all__ = ["Engine", "EngineConfig", "BudgetError"]
+__all__ = ["Engine", "EngineConfig", "BudgetError", "TraceUnavailable"]

@@ -41,10 +41,15 @@ Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
   a finalizer once the copies reading them have finished. A failed registration's pending CUDA
   error is cleared where it happens. A pageable master is copied through a page-locked staging
   buffer, so the copy stays asynchronous.
+* File-backed weights (``keep_file_backed``: the host streams a memory-mapped checkpoint from a
+  fast disk) get no flat master: the mapped tensors are the masters, and their bytes pass
+  through a small page-locked window (pieces reused after the copy reading them), so the host
+  RAM the executor adds is the window, not the model.
 * Other readers. Streams the host reads weights on (offload-stream casts) are handed in as
   ``reader_streams`` and wait on the same copy events as the compute stream.
 * Every CUDA synchronisation point carries a comment naming the hazard it prevents; the tests
-  run this branch on a simulated accelerator (tests/sim_cuda.py) that fails on each hazard.
+  run this branch on a simulated accelerator (tests/sim_cuda.py) that fails on each hazard it
+  models (``runtime.transfers`` names the two it does not).
 
 This module orchestrates one forward; the resources live in ``vramcut_core.runtime``, one owner
 each: ``host_memory`` (masters, page-locking), ``device_memory`` (buffers, slots, layouts, byte
@@ -98,7 +103,7 @@ class SegmentedExecutor:
 
     def __init__(self, units: Callable[[str], Unit], device: torch.device | str,
                  pin_memory: bool | None = None, track_cpu_memory: bool = False,
-                 module: nn.Module | None = None) -> None:
+                 module: nn.Module | None = None, keep_file_backed: bool = False) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._unit = units
@@ -106,7 +111,7 @@ class SegmentedExecutor:
         # the rooms; each registers the finalizer for what it owns
         self.memory = DeviceMemory(units, self.device)
         pin = self.cuda if pin_memory is None else (pin_memory and self.cuda)
-        self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place)
+        self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place, keep_file_backed)
         self.binding = Binding(units, self.memory.layout)
         self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units)
         self.hooks = UnitHooks(units, self)

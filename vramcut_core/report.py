@@ -153,8 +153,10 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
                f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
     if plan.source is not None:
         out.append(f"activations {plan.source}: " + (
-            "a dry run on fake tensors gave them before the first forward, which measured them" if plan.source == "traced"
-            else "the dry run could not run: the first forward measured them"))
+            ("a dry run on fake tensors gave them before the first forward, which measured them"
+             if stats is not None and stats.forwards else
+             "a dry run on fake tensors gave them; no weight has moved and no forward has run yet")
+            if plan.source == "traced" else "the dry run could not run: the first forward measured them"))
     t = plan.transfers_per_forward
     out.append(f"streamed per forward {fmt_bytes(plan.streamed_bytes_per_forward)} in {t} "
                f"transfer{'' if t == 1 else 's'} · "

@@ -283,6 +283,51 @@ def test_a_forward_that_cannot_be_traced_is_measured_and_its_number_says_at_leas
     assert not e.value.exact and "at least" in msg and "smallest" not in msg, msg
 
 
+@pytest.mark.parametrize("name", ["attention", "unet", "looped"])
+def test_a_preview_is_the_plan_the_first_forward_runs_and_copies_nothing(name, forwards, monkeypatch):
+    from vramcut_core import engine as engine_mod
+    from vramcut_core import signature
+
+    model, fn, args = _case(name)
+    with torch.no_grad():
+        ref = fn(*args)
+    snap = snapshot(model)
+    need = Engine(model, EngineConfig(budget_bytes=1024, device="cpu"))
+    with pytest.raises(BudgetError) as e, torch.no_grad():
+        need.preview_as(signature(args, {}), fn, *args)
+    assert not need._failed and len(need.traces) == 1, "the profile stays, the verdict does not"
+    budget = e.value.min_budget_bytes + 1
+    eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu"))
+    with torch.no_grad():
+        plan = eng.preview_as(signature(args, {}), fn, *args)
+    assert plan.source == TRACED and not forwards and eng.executor.device_bytes == 0
+    assert eng.executor.peak_weight_bytes == 0 and eng.stats.forwards == 0 and not eng._plans
+    assert_unchanged(model, snap)
+    traced = []
+    orig = engine_mod.trace_units
+    monkeypatch.setattr(engine_mod, "trace_units", lambda *a, **k: traced.append(1) or orig(*a, **k))
+    ran = []
+    orig_forward = SegmentedExecutor.forward
+    monkeypatch.setattr(SegmentedExecutor, "forward",
+                        lambda self, p, *a, **k: ran.append(p) or orig_forward(self, p, *a, **k))
+    with torch.no_grad():
+        assert torch.equal(eng.run(fn, *args), ref)
+    assert not traced, "the first forward used the previewed profile"
+    assert ran[0] == plan, "the first forward ran the previewed plan"
+    assert_unchanged(model, snap)
+
+
+def test_a_preview_that_cannot_trace_says_why_and_leaves_nothing():
+    from vramcut_core import TraceUnavailable, signature
+
+    model = seeded(QuantStack())
+    x = torch.randn(4, 16, generator=_g())
+    eng = Engine(model, EngineConfig(budget_bytes=1 << 30, device="cpu"))
+    with pytest.raises(TraceUnavailable, match="AssertionError"), torch.no_grad():
+        eng.preview_as(signature((x,), {}), model, x)
+    assert not eng.traces and not eng._plans and not eng._failed
+
+
 # ------------------------------------------------------------------------------------------------
 # the minimum budget (pure)
 

@@ -42,7 +42,8 @@ FLUX_EXAMPLE = "VRAMCut - Flux on a budget"
 WIDGETS = ["max_vram_gb", "budget_mode", "reserve_gb", "prefetch", "residency"]
 
 TINY_UNITS = 7               # the tiny SD3's units (blocks) as the planner cuts it
-WIDGETS_HEIGHT_MAX = 200     # the five inputs, the title and margins, in graph units
+TINY_SHAPE = (64, 64)        # the example's preview shape set for the tiny SD3 (it takes <= 256 px): 2 resident segments at TINY_BUDGET_GB
+WIDGETS_HEIGHT_MAX = 220     # the five widgets, the four socket rows (preview_shape: +20), the title and margins, in graph units
 MIN_PLAN_ROW = 24            # web/vramcut.js MIN_WIDGET_HEIGHT: the header row
 
 PROMPT_TIMEOUT_S = 120
@@ -149,6 +150,11 @@ const t0 = Date.now();
 })();
 """
 
+# The example's preview shape at TINY_SHAPE (the tiny model's size).
+SHAPE_JS = """const shape = app.graph.nodes.find((n) => n.type === "VRAMCutPreviewShape");
+  shape.widgets.find((w) => w.name === "width").value = %d;
+  shape.widgets.find((w) => w.name === "height").value = %d;""" % TINY_SHAPE
+
 # Load the example from the template route, point it at the tiny model, queue it.
 RUN_EXAMPLE_JS = """
 const [url, model, budget, done] = arguments;
@@ -159,13 +165,14 @@ const [url, model, budget, done] = arguments;
   const cut = app.graph.nodes.find((n) => n.type === "%(node)s");
   unet.widgets.find((w) => w.name === "unet_name").value = model;
   cut.widgets.find((w) => w.name === "max_vram_gb").value = budget;
+  %(shape)s
   app.canvas.ds.scale = 1;
   app.canvas.ds.offset = [20, 50];  // the whole example in view, below the tab bar
   app.canvas.setDirty(true, true);
   await app.queuePrompt(0);
   done({id: cut.id});
 })().catch((e) => done({error: String(e && e.stack || e)}));
-""" % {"node": NODE_TYPE}
+""" % {"node": NODE_TYPE, "shape": SHAPE_JS}
 
 PLAN_STATE_JS = """
 const el = document.querySelector(".vramcut-plan");
@@ -274,7 +281,14 @@ def _run_example(browser, server):
     url = _template_url(server, RUNNABLE_EXAMPLE)
     r = browser.execute_async_script(RUN_EXAMPLE_JS, url, server.tiny_model, server.tiny_budget_gb)
     assert "error" not in r, r["error"]
-    return r["id"], _wait(browser, "the plan to be drawn", lambda: _plan_drawn(browser))
+    return r["id"], _wait(browser, "the traced plan to be drawn", lambda: _traced_plan_drawn(browser))
+
+
+def _traced_plan_drawn(browser):
+    """The example's run drawn to its end: the plan traced at the preview shape (the weights
+    estimate the node sends while it patches comes first)."""
+    st = _plan_drawn(browser)
+    return st if st and st["data"].get("stage") == "traced" else None
 
 
 ANSWER_RE = re.compile(
@@ -303,7 +317,7 @@ def test_plan_drawn_in_browser(comfy_server, browser):
     d = st["data"]
     assert int(d["resident"]) >= 1 and int(d["streamed"]) >= 1, d
     assert int(d["segments"]) == int(d["resident"]) + int(d["streamed"]) + int(d["idle"])
-    assert d["stage"] in ("weights", "measured") and d["models"] == "1"
+    assert d["stage"] == "traced" and d["models"] == "1", d  # the example previews at a shape
     assert "message" not in d, d
     # the node is at least as big as its content, and wide enough to read
     assert st["size"][1] >= st["min"][1] - 1 and st["width"] >= 300, st
@@ -1289,10 +1303,10 @@ def test_opening_and_running_an_example_leaves_it_unchanged(comfy_server, browse
     assert not opened["modified"] and opened["undo"] == 0, opened
     assert opened["size"] == r["saved"], (opened, r)
     browser.execute_script("""const n = app.graph.nodes.find((n) => n.type === "UNETLoader");
-      n.widgets.find((w) => w.name === "unet_name").value = arguments[0];""", s.tiny_model)
+      n.widgets.find((w) => w.name === "unet_name").value = arguments[0];""" + SHAPE_JS, s.tiny_model)
     saved = browser.execute_script(TRACKER_JS, r["id"], True)
     browser.execute_async_script("const done = arguments[0]; app.queuePrompt(0).then(() => done(true));")
-    _wait(browser, "the plan to be drawn", lambda: _plan_drawn(browser))
+    _wait(browser, "the traced plan to be drawn", lambda: _traced_plan_drawn(browser))
     time.sleep(1.0)
     _save("example_preview_run.png", _node_crop(browser, r["id"], 1.0))
     after = browser.execute_script(TRACKER_JS, r["id"], False)

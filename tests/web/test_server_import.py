@@ -22,6 +22,7 @@ def test_pack_loads_without_errors_or_warnings(comfy_server):
         assert info[n]["output_node"] is True
         for name, spec in info[n]["input"]["required"].items():
             assert spec[1].get("tooltip"), f"{n}.{name} has no tooltip"
+    assert info["VRAMCutPreviewShape"]["output"] == ["VRAMCUT_SHAPE"]
     assert info["VRAMCutMaxVRAM"]["output"] == ["MODEL", "CLIP", "VAE"]
     assert info["VRAMCutMaxVRAM"]["display_name"] == "Max VRAM (VRAMCut)"
     log = open(comfy_server.log_path, encoding="utf-8", errors="replace").read()
@@ -84,9 +85,12 @@ def test_saved_example_workflow_runs(comfy_server):
     with open(os.path.join(EXAMPLES, "VRAMCut - plan preview.json"), encoding="utf-8") as f:
         prompt = _api_prompt_from_ui(json.load(f))
     (loader,) = [n for n in prompt.values() if n["class_type"] == "UNETLoader"]
-    loader["inputs"]["unet_name"] = comfy_server.tiny_model  # the one change: a model file that is here
+    loader["inputs"]["unet_name"] = comfy_server.tiny_model  # a model file that is here
+    (shape,) = [n for n in prompt.values() if n["class_type"] == "VRAMCutPreviewShape"]
+    shape["inputs"].update(width=64, height=64)  # and a shape it takes (the tiny SD3: up to 256 px)
     (ours,) = [k for k, n in prompt.items() if n["class_type"] == "VRAMCutMaxVRAM"]
     assert prompt[ours]["inputs"]["max_vram_gb"] == 6 and "model" in prompt[ours]["inputs"]
     entry = _run(comfy_server, prompt)
     (payload,) = entry["outputs"][ours]["vramcut"]
     assert [m["kind"] for m in payload["models"]] == ["MODEL"] and payload["message"] is None, payload
+    assert payload["models"][0]["stage"] == "traced" and payload["models"][0]["traced_at"] == "64×64, batch 1"

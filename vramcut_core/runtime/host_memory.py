@@ -1,14 +1,20 @@
-"""Host memory: the flat host masters of streamed units, their page-locking and its ledger, and
-the staging copy of a master that could not be page-locked.
+"""Host memory: the flat host masters of streamed units, their page-locking and its ledger, the
+staging copy of a master that could not be page-locked, and the staging window of file-backed
+weights.
 
 Owns and frees host memory, nothing on the device. A master is owned for the process: shared by
 executors on the same tensors, kept across sessions, page-locked up to a cap (``PIN_FRACTION``
 of RAM, portable to every GPU) and unpinned by its own finalizer once the copies reading it have
-finished. The one rule: host memory is never unregistered (or written) while a copy may read it.
-A failed registration's pending CUDA error is cleared where it happens. May call torch only.
+finished. Weights that live in a file mapping (a memory-mapped checkpoint) are their own masters
+where the engine is told to keep them so (``keep_file_backed``: the host streams from a fast
+disk): no flat copy is made, and their bytes reach the device through a small page-locked
+window (``WINDOW_PIECES`` pieces of ``WINDOW_PIECE`` bytes, reused). The one rule: host memory
+is never unregistered (or written) while a copy may read it. A failed registration's pending
+CUDA error is cleared where it happens. May call torch only.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import weakref
 from typing import Callable
@@ -22,6 +28,8 @@ from .layout import Layout, quant_views, view
 _HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every GPU, not only the current one
 PIN_FRACTION = 0.45           # at most this share of physical RAM is page-locked by the pack
                               # (Windows refuses past about half of RAM; the host pins too)
+WINDOW_PIECE = 64 << 20       # bytes of one piece of the staging window of file-backed weights
+WINDOW_PIECES = 2             # the host fills one piece while the copy of the other runs
 
 
 def _host_buffer(nbytes: int) -> torch.Tensor:
@@ -94,6 +102,24 @@ def _clear_cuda_error(place: torch.device) -> None:
         pass
 
 
+def _register(buf: torch.Tensor, readers: dict, place: torch.device, owner) -> bool:
+    """Page-lock ``buf`` within the ledger; ``owner``'s finalizer unregisters it after the copies
+    in ``readers``. False (nothing pinned, the pending error cleared) where it cannot be."""
+    if not buf.numel() or not PINNED.allows(buf.numel()):
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), _HOST_REGISTER_PORTABLE)
+        ok = int(getattr(err, "value", err)) == 0
+    except Exception:
+        ok = False
+    if not ok:
+        _clear_cuda_error(place)
+        return False
+    PINNED.bytes += buf.numel()
+    owner._fin = weakref.finalize(owner, _unpin, buf, readers, place)
+    return True
+
+
 def _unpin(buf: torch.Tensor, readers: dict, place: torch.device) -> None:
     """Unregister a master (finalizer and release share it): first wait for every copy that may
     still read it."""
@@ -127,6 +153,107 @@ def staged(buf: torch.Tensor, place: torch.device) -> tuple[torch.Tensor, bool]:
         return buf, False
 
 
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """The address ranges this process has mapped from files on disk, sorted (Linux); None where
+    the system does not say. RAM-backed files (``/dev/shm``, memfd, deleted files) are not
+    counted: their pages are memory the process holds like any other."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        path = parts[5] if len(parts) == 6 else ""
+        if not path.startswith("/") or path.startswith("/dev/") or path.endswith("(deleted)"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append((lo, hi))
+    out.sort()
+    joined: list[tuple[int, int]] = []
+    for lo, hi in out:  # one file mapping the kernel keeps in several pieces
+        if joined and lo == joined[-1][1]:
+            joined[-1] = (joined[-1][0], hi)
+        else:
+            joined.append((lo, hi))
+    return joined
+
+
+def file_backed(tensors: list[torch.Tensor]) -> list[bool]:
+    """For each tensor: whether its bytes live in a file mapping (a memory-mapped checkpoint:
+    ``safetensors``, ``torch.load(mmap=True)``, a host's own mapping of the file) rather than in
+    anonymous memory. Such pages are the file's: the kernel drops and reads them again as it
+    needs, so a copy of them is RAM the process did not hold before."""
+    maps = None
+    out = []
+    for t in tensors:
+        st = t.untyped_storage()
+        if getattr(st, "filename", None):  # torch's own file storages (from_file, load(mmap=True))
+            out.append(True)
+            continue
+        if maps is None:
+            maps = _file_mappings() or []
+        ptr, n = t.data_ptr(), t.numel() * t.element_size()  # the bytes a copy would read
+        k = bisect.bisect_right(maps, (ptr, float("inf"))) - 1
+        out.append(n > 0 and k >= 0 and maps[k][0] <= ptr and ptr + n <= maps[k][1])
+    return out
+
+
+class StagingWindow:
+    """Page-locked pieces the bytes of file-backed weights pass through on their way to the
+    device: the host fills a piece from the mapping, a copy stream moves it, and the piece is
+    filled again only after that copy has finished (``take`` waits). Shared by the process's
+    executors (events order every reader, whatever its stream); unregistered by its finalizer
+    after the copies reading it."""
+
+    def __init__(self, piece: int, pieces: int, place: torch.device) -> None:
+        self.piece = piece
+        self.bufs = [_host_buffer(piece) for _ in range(pieces)]
+        self._pieces = [_WindowPiece(b, place) for b in self.bufs]
+        self.pinned = all(p.pinned for p in self._pieces)
+        self.nbytes = piece * pieces
+        self._next = 0
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """The next piece to fill, once no copy reads it any more."""
+        k = self._next
+        self._next = (k + 1) % len(self.bufs)
+        readers = self._pieces[k].readers
+        for ev in list(readers.values()):
+            ev.synchronize()  # hazard: the host refilling a window piece a copy still reads
+        readers.clear()
+        return self.bufs[k], k
+
+    def read_by(self, k: int, stream, done) -> None:
+        self._pieces[k].readers[id(stream)] = done
+
+
+class _WindowPiece:
+    def __init__(self, buf: torch.Tensor, place: torch.device) -> None:
+        self.readers: dict[int, object] = {}
+        self._fin = None
+        self.pinned = _register(buf, self.readers, place, self)
+
+
+_WINDOW: "weakref.ref[StagingWindow] | None" = None
+
+
+def staging_window(nbytes: int, place: torch.device) -> StagingWindow | None:
+    """The process's staging window, with pieces of at least ``min(nbytes, WINDOW_PIECE)``
+    bytes (a window of smaller pieces is replaced: its own finalizer unpins it after its
+    copies); None where it cannot be page-locked (the copy is then synchronous, on purpose)."""
+    global _WINDOW
+    want = min(WINDOW_PIECE, max(nbytes, 1))
+    w = _WINDOW() if _WINDOW is not None else None
+    if w is None or w.piece < want:
+        w = StagingWindow(want, WINDOW_PIECES, place)
+        if not w.pinned:
+            return None  # dropped: what was pinned is unpinned by the pieces' finalizers
+        _WINDOW = weakref.ref(w)
+    return w
+
+
 _SHARED_MASTERS: "weakref.WeakValueDictionary[tuple, _HostMaster]" = weakref.WeakValueDictionary()
 
 
@@ -154,22 +281,9 @@ class _HostMaster:
             for i, spans in layout.quant.items():  # likewise for quantized tensors' parts
                 t = unit.tensors[i].tensor
                 quant.rehome_(t, quant_views(self.buf, t, spans))
-        self.pinned = False
         self.readers: dict[int, object] = {}   # copy stream id -> event of its last copy from here
         self._fin = None
-        place = place if place is not None else torch.device("cuda")
-        if self.buf.numel() and PINNED.allows(self.buf.numel()):
-            try:
-                err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(),
-                                                           _HOST_REGISTER_PORTABLE)
-                self.pinned = int(getattr(err, "value", err)) == 0
-            except Exception:
-                self.pinned = False
-            if self.pinned:
-                PINNED.bytes += self.buf.numel()
-                self._fin = weakref.finalize(self, _unpin, self.buf, self.readers, place)
-            else:
-                _clear_cuda_error(place)
+        self.pinned = _register(self.buf, self.readers, place if place is not None else torch.device("cuda"), self)
 
     def backs(self, unit: Unit, layout: Layout) -> bool:
         """Do the unit's tensors still live in this buffer?"""
@@ -212,14 +326,18 @@ class HostMasters:
     executor shares is unpinned by its own finalizer, after the copies that read it."""
 
     def __init__(self, units: Callable[[str], Unit], layout: Callable[[str], Layout], pin: bool,
-                 place: torch.device) -> None:
+                 place: torch.device, keep_file_backed: bool = False) -> None:
         self._unit, self._layout, self.pin, self._place = units, layout, pin, place
+        self.keep_file_backed = keep_file_backed
         self.masters: dict[str, _HostMaster] = {}
+        self._from_file: dict[str, tuple[tuple, bool]] = {}  # unit -> (its tensors' addresses, answer)
+        self._window: StagingWindow | None = None
 
     def get(self, name: str) -> _HostMaster | None:
         """The flat host master of a streamed unit (CUDA only). None means: copy tensor by tensor
-        from where they are (CPU; tensors the host has already page-locked itself)."""
-        if not self.pin:
+        from where they are (CPU; tensors the host has already page-locked itself), or through
+        the staging window (``window``: file-backed tensors kept as their own masters)."""
+        if not self.pin or self.from_file(name):
             return None
         unit, lay = self._unit(name), self._layout(name)
         m = self.masters.get(name)
@@ -238,8 +356,34 @@ class HostMasters:
             self.masters[name] = m
         return m
 
+    def from_file(self, name: str) -> bool:
+        """Whether unit ``name`` streams from the file mapping its tensors live in (with
+        ``keep_file_backed``: a unit with any file-backed tensor; the others are in RAM already
+        and pass through the window with it)."""
+        if not self.keep_file_backed:
+            return False
+        unit, lay = self._unit(name), self._layout(name)
+        tensors = [unit.tensors[i].tensor for i, _, _ in lay.flat]
+        tensors += [p for i in lay.quant for p in quant.parts(unit.tensors[i].tensor)]
+        where = tuple(t.data_ptr() for t in tensors)
+        known = self._from_file.get(name)
+        if known is None or known[0] != where:
+            known = self._from_file[name] = (where, any(file_backed(tensors)))
+        return known[1]
+
+    def window(self, name: str) -> StagingWindow | None:
+        """The page-locked window a file-backed unit is copied through (CUDA, pinning on); None
+        means: copy tensor by tensor from where they are."""
+        lay = self._layout(name)
+        if not self.pin or not lay.nbytes or not self.from_file(name):
+            return None
+        w = staging_window(lay.nbytes, self._place)
+        self._window = w  # held while this executor streams: the process keeps one window
+        return w
+
     def forget(self) -> None:
         """Unpin and drop every master (the module's tensors were replaced from outside)."""
         for m in self.masters.values():
             m.release()
         self.masters.clear()
+        self._from_file.clear()

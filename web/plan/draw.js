@@ -295,10 +295,11 @@ function drawModel(pen, m, idx, payloadBudget, details, refused = null) {
 function drawTitle(pen, m, refused = null) {
   const { ctx, W, theme, y } = pen;
   const measured = m.stage === "measured";
-  const badge = refused ? "refused" : measured ? "measured" : "estimate";
+  const traced = m.stage === "traced";
+  const badge = refused ? "refused" : measured ? "measured" : traced ? "traced" : "estimate";
   ctx.font = pen.font(11, 700);
   const bw = ctx.measureText(badge).width + 12;
-  const fill = refused ? COLORS.over : measured ? COLORS.measured : COLORS.weightsOnly;
+  const fill = refused ? COLORS.over : measured ? COLORS.measured : traced ? COLORS.traced : COLORS.weightsOnly;
   if (pen.paint) {
     roundRect(ctx, W - bw, y + 1, bw, 16, 8);
     ctx.fillStyle = fill;
@@ -311,6 +312,7 @@ function drawTitle(pen, m, refused = null) {
   rows.forEach((l, i) => pen.text(l, 0, y + 9 + i * 15, theme.strong, pen.font(12, 600), "left", null, "label"));
   pen.tip(W - bw, y, bw, 18, refused ? "The run was refused: this budget cannot hold it. The banner says which budget works."
     : measured ? `Measured for input ${m.signature ?? "(this shape)"}: activations and time come from a real run.`
+    : traced ? `Traced at ${m.traced_at}: activations from a dry run on fake tensors; no weight moved. The first real run measures them.`
     : "Estimate: weights are exact, activations and time are estimated until the first run.");
   pen.y += 21 + (rows.length - 1) * 15;
 }
@@ -529,7 +531,8 @@ function drawCounts(pen, m, prefix) {
   const nCopies = Number(m.plan.transfers_per_forward);
   let counts = `${prefix ? `${prefix}* · ` : ""}${segmentCounts(m.plan)}` +
     (Number.isFinite(nCopies) && nCopies > 0 ? ` · ${nCopies} transfer${nCopies === 1 ? "" : "s"} per forward` : "");
-  if (m.signature) counts += ` · ${m.signature}`;
+  if (m.traced_at) counts += ` · traced at ${m.traced_at}`;
+  else if (m.signature) counts += ` · ${m.signature}`;
   pen.ctx.font = pen.font(12);
   for (const l of wrapText(pen.ctx, counts, pen.W, 4)) {
     pen.text(l, 0, pen.y + 8, pen.theme.muted, pen.font(12), "left", null, "counts");

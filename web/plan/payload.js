@@ -1,7 +1,8 @@
 // The plan as Python sent it: one reading of the payload that every other room draws from.
 //
 // PAYLOAD = {budget_bytes, enabled, message, message_level?, min_budget_bytes?, need_bytes?,
-//            models: [{kind, label, stage, signature, warnings, text, refused?, plan: {budget_bytes,
+//            models: [{kind, label, stage ("weights" | "traced" | "measured"), traced_at? (the
+//            preview's shape, with stage "traced"), signature, warnings, text, refused?, plan: {budget_bytes,
 //            peak_bytes, streamed_bytes_per_forward, transfers_per_forward, resident_bytes,
 //            window_bytes, activation_reserve_bytes, measured, units, segments, stats?, cost?}}]}
 // Rule: pure functions of the payload (no DOM, no ComfyUI, nothing done at import); they read
@@ -22,7 +23,8 @@ export function normalizePayload(p) {
       return {
         kind: String(m.kind ?? "MODEL"),
         label: String(m.label ?? m.kind ?? "model"),
-        stage: m.stage === "measured" ? "measured" : "weights",
+        stage: m.stage === "measured" || m.stage === "traced" ? m.stage : "weights",
+        traced_at: m.stage === "traced" && m.traced_at ? String(m.traced_at) : null,
         signature: m.signature ?? null,
         warnings: [...new Set([...asArray(m.warnings), ...asArray(plan.warnings)].map(String))],
         text: String(m.text ?? ""),
@@ -84,10 +86,6 @@ export function summarize(payload) {
     stages.push(m.stage);
   }
   let stage = "none";
-  if (stages.length) {
-    if (stages.every((s) => s === "measured")) stage = "measured";
-    else if (stages.every((s) => s === "weights")) stage = "weights";
-    else stage = "mixed";
-  }
+  if (stages.length) stage = stages.every((s) => s === stages[0]) ? stages[0] : "mixed";
   return { segments, resident, streamed, idle, stage, stages, models: stages.length };
 }

@@ -79,7 +79,8 @@ export function fillTable(el, payload) {
     const cut = text.indexOf("\n\n");
     for (const l of (cut >= 0 ? text.slice(cut + 2) : "").split("\n").filter(Boolean))
       block.append(line(l, { color: "var(--descrip-text, #999)" }));
-    if (m.signature) block.append(line(`input: ${m.signature}`, { color: "var(--descrip-text, #999)" }));
+    if (m.traced_at) block.append(line(`traced at ${m.traced_at} (a dry run: nothing has run yet)`, { color: "var(--descrip-text, #999)" }));
+    else if (m.signature) block.append(line(`input: ${m.signature}`, { color: "var(--descrip-text, #999)" }));
     el.append(block);
   });
 }

@@ -17,6 +17,7 @@ export const COLORS = {
   idle: "#6b7280",
   over: "#ef4444",
   measured: "#16a34a",
+  traced: "#0d9488",
   weightsOnly: "#64748b",
   warning: "#facc15",
   warningOnLight: "#b45309",
