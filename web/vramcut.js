@@ -3,8 +3,9 @@
 // This entry registers the one extension and chains the node's prototype methods (never replacing
 // them); it owns what ties a plan to a node: the live events, the history a reloaded page gets
 // its plans back from, and fitting the node around the plan. The plan's own rooms are in plan/:
-// payload.js (reading what Python sent), format.js (its words and numbers), draw.js (the canvas)
-// and view.js (the DOM widget and its tooltip).
+// payload.js (reading what Python sent), format.js (its words and numbers), draw.js (the canvas;
+// labels.js names its segment bars), table.js (the table view) and view.js (the DOM widget and
+// its tooltip).
 //
 // Python owns the plan; this code only draws it. Data arrives two ways:
 //   - the node's output:  onExecuted(message) with message.vramcut = [PAYLOAD]
