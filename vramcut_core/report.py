@@ -127,9 +127,11 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     """A fixed-width table: one row per segment, then the totals; with ``steady`` (the forwards
     after the measuring one) what they streamed and waited per forward, beside the run's total."""
     rows = []
+    wheres = []
     for n, s in enumerate(plan.segments):
         where = "resident" if s.resident else ("idle" if not any(plan.units[i].entered for i in s.units)
                                                else "streamed")
+        wheres.append(where)
         rows.append((str(n), plan.segment_name(s), str(len(s.units)), where,
                      fmt_bytes(s.weight_bytes), fmt_bytes(s.activation_bytes), fmt_bytes(s.peak_bytes)))
     head = ("#", "segment", "units", "where", "weights", "activation", "peak")
@@ -158,8 +160,8 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     t = plan.transfers_per_forward
     out.append(f"streamed per forward {fmt_bytes(plan.streamed_bytes_per_forward)} in {t} "
                f"transfer{'' if t == 1 else 's'} · "
-               f"{sum(1 for s in plan.segments if s.resident)} resident / "
-               f"{sum(1 for s in plan.segments if not s.resident)} streamed segments")
+               + " · ".join(f"{wheres.count(w)} {w}" for w in ("resident", "streamed", "idle")
+                            if w != "idle" or "idle" in wheres) + " segments")
     if plan.split:
         out.append("cut finer to fit: " + ", ".join(plan.split))
     for w in plan.warnings:

@@ -3,8 +3,9 @@
 // This entry registers the one extension and chains the node's prototype methods (never replacing
 // them); it owns what ties a plan to a node: the live events, the history a reloaded page gets
 // its plans back from, and fitting the node around the plan. The plan's own rooms are in plan/:
-// payload.js (reading what Python sent), format.js (its words and numbers), draw.js (the canvas)
-// and view.js (the DOM widget and its tooltip).
+// payload.js (reading what Python sent), format.js (its words and numbers), draw.js (the canvas;
+// labels.js names its segment bars), table.js (the table view) and view.js (the DOM widget and
+// its tooltip).
 //
 // Python owns the plan; this code only draws it. Data arrives two ways:
 //   - the node's output:  onExecuted(message) with message.vramcut = [PAYLOAD]
@@ -33,9 +34,10 @@ const LEGACY_PROPERTY = "vramcut_plan"; // older versions saved the plan here: s
 const VIEW_PROPERTY = "vramcut_view";   // "details" when the user expanded the node (a user edit)
 const WIDGET_NAME = "vramcut_plan";
 const MARGIN = 6; // px around the widget inside the node
-const MIN_NODE_WIDTH = 360;
+const MIN_NODE_WIDTH = 360; // a new node's width (the plan reads whole at it)
 const MIN_WIDGET_HEIGHT = 24; // the node can be shrunk down to the header row
 const HISTORY_ITEMS = 64;
+const BUDGET_WIDGETS = new Set(["max_vram_gb", "reserve_gb"]);
 
 watchPage();
 
@@ -81,9 +83,39 @@ function graphId() {
 }
 
 // Plans seen in this page, by workflow and node: a workflow loaded again (tab switch, undo)
-// shows its plan without asking the server.
+// shows its plan without asking the server. Each is kept with the inputs it was planned for.
 const seen = new Map();
 const seenKey = (node) => `${graphId() ?? ""}:${node.id}`;
+
+/** The node's own inputs (its widgets by name): a plan made for other values is not this
+ * node's plan (an example opened again, with the budget it was saved with). */
+function inputsOf(node) {
+  const out = {};
+  for (const w of node.widgets ?? []) if (w.name && w.name !== WIDGET_NAME && w.serialize !== false) out[w.name] = w.value;
+  return out;
+}
+
+/** True when every input the run had that is one of the node's widgets has the widget's value. */
+function sameInputs(ran, node) {
+  const now = inputsOf(node);
+  return Object.entries(ran ?? {}).every(([k, v]) => !(k in now) || Array.isArray(v) || JSON.stringify(v) === JSON.stringify(now[k]));
+}
+
+/** The graph's inputs in the shape of an API prompt ({id: {class_type, inputs}}), widgets only. */
+function graphInputs(graph) {
+  const out = {};
+  for (const n of graph?.nodes ?? []) out[n.id] = { class_type: n.type, inputs: inputsOf(n) };
+  return out;
+}
+
+/** True when the nodes of a run (the API prompt) that are in this graph had the inputs they have
+ * now: the plan depends on the loaders above the node too (another model, another plan). */
+function samePrompt(prompt, graph) {
+  return Object.entries(prompt ?? {}).every(([id, p]) => {
+    const n = graph?.getNodeById?.(id);
+    return !n || n.type !== p?.class_type || sameInputs(p.inputs, n);
+  });
+}
 
 // After a page reload the plans come from the server's history: the newest output of a node
 // with this id and type, from this workflow when the history says which.
@@ -100,6 +132,17 @@ function recentHistory() {
   return historyRequest;
 }
 
+// A cleared workflow ("Clear Workflow", or a new blank one) has this id until it is saved or
+// loaded again, when the frontend gives it a new one: its runs cannot be found by id.
+const NO_GRAPH_ID = "00000000-0000-0000-0000-000000000000";
+
+/** The workflow a run was queued from has the same nodes (ids and types) as this node's. */
+function sameWorkflow(saved, node) {
+  const nodes = Array.isArray(saved?.nodes) ? saved.nodes : [];
+  const ids = (list) => list.map((n) => `${n?.id}:${n?.type}`).sort().join(",");
+  return ids(nodes) === ids(node.graph?.nodes ?? []);
+}
+
 async function planFromHistory(node) {
   const history = await recentHistory();
   const id = String(node.id);
@@ -109,10 +152,13 @@ async function planFromHistory(node) {
     const out = entry?.outputs?.[id]?.vramcut;
     if (!out) continue;
     const prompt = Array.isArray(entry.prompt) ? entry.prompt : [];
-    if (prompt[2]?.[id]?.class_type !== node.type) continue;
-    // only this workflow's own runs (a prompt sent through the API names no workflow)
-    const wf = prompt[3]?.extra_pnginfo?.workflow?.id;
-    if (!wf || !gid || String(wf) !== gid) continue;
+    if (prompt[2]?.[id]?.class_type !== node.type || !samePrompt(prompt[2], node.graph)) continue;
+    // only this workflow's own runs (a prompt sent through the API names no workflow); a run of
+    // a cleared workflow is known by its nodes, as its id changed when it was loaded again
+    const saved = prompt[3]?.extra_pnginfo?.workflow;
+    const wf = saved?.id ? String(saved.id) : null;
+    if (!wf || !gid) continue;
+    if (wf !== gid && !(wf === NO_GRAPH_ID && sameWorkflow(saved, node))) continue;
     found = lastPayload(out) ?? found; // the history lists the newest last
   }
   return found;
@@ -203,6 +249,11 @@ function attachPlan(node) {
   });
   widget.serialize = false; // keep widgets_values to the real inputs
   node.vramcutWidget = widget;
+  // The budgets step by 0.05 GiB and round to 0.001 GiB; the host shows as many decimals as the
+  // step has, so 0.001 read "0.00": show the three the rounding keeps.
+  for (const w of node.widgets ?? []) {
+    if (BUDGET_WIDGETS.has(w.name) && w.options) w.options.precision = 3;
+  }
 
   // Grow the node to show the plan; shrink only on the user's own request (`shrink`). A plan
   // that fits changes nothing, so a run with no edit leaves a saved workflow unchanged.
@@ -214,7 +265,7 @@ function attachPlan(node) {
   node.vramcutFit = ({ shrink = false, tries = 0 } = {}) => {
     if (node.flags?.collapsed) return;
     settled = false;
-    const w = Math.max(node.size[0], MIN_NODE_WIDTH);
+    const w = node.size[0]; // a new node starts at MIN_NODE_WIDTH; a width the user chose stays
     const area = view.el.clientHeight;
     if (area > 0 && lastFit && lastFit.h === node.size[1] && lastFit.area === area) {
       // the host has not laid out the last size yet: look again in a frame
@@ -315,7 +366,7 @@ app.registerExtension({
       const view = this.vramcutView;
       if (!view) return;
       view.setPayload(payload);
-      if (payload) seen.set(seenKey(this), payload);
+      if (payload) seen.set(seenKey(this), { payload, inputs: graphInputs(this.graph) });
       syncVueHeader(this);
       // Grow only when the content's height changed since it was last fitted: a node the user
       // made smaller keeps its size through every run that draws the same kind of plan.
@@ -344,7 +395,8 @@ app.registerExtension({
       this.vramcutSettle?.(); // a loaded workflow keeps its saved size
       view.setDetails(this.properties?.[VIEW_PROPERTY] === "details");
       // A loaded workflow keeps its saved size: showing its plan again must not change it.
-      const known = seen.get(seenKey(this)) ?? this.properties?.[LEGACY_PROPERTY];
+      const kept = seen.get(seenKey(this));
+      const known = (kept && samePrompt(kept.inputs, this.graph) ? kept.payload : null) ?? this.properties?.[LEGACY_PROPERTY];
       if (known) this.vramcutShow(known, { fit: false });
       else {
         planFromHistory(this).then((p) => {

@@ -247,3 +247,17 @@ def test_report_json_keys_and_text():
     assert all(u["activation_bytes"] is None for u in plan_to_json(unmeasured)["units"])
     text = plan_to_text(plan)
     assert "resident" in text and "streamed" in text and "budget 400.0 MiB" in text
+
+
+def test_report_text_counts_idle_segments_apart_from_streamed():
+    """The text's footer counts as the node's chart does: a segment no forward ran is idle, not
+    streamed (the encoder during a VAE decode)."""
+    units = uniform(n=6)
+    units += [PlanUnit(f"encoder.{i}", 100 * MB, 20 * MB, 10 * MB, entered=False) for i in range(3)]
+    plan = build_plan(units, 400 * MB)
+    segs = plan_to_json(plan)["segments"]
+    counts = {w: sum(1 for s in segs if (s["resident"] and w == "resident") or (not s["resident"] and s["idle"] and w == "idle")
+                     or (not s["resident"] and not s["idle"] and w == "streamed")) for w in ("resident", "streamed", "idle")}
+    assert counts["idle"] >= 1 and counts["streamed"] >= 1, segs
+    footer = next(line for line in plan_to_text(plan).splitlines() if line.startswith("streamed per forward"))
+    assert footer.endswith(f"{counts['resident']} resident · {counts['streamed']} streamed · {counts['idle']} idle segments"), footer

@@ -5,7 +5,7 @@ headless Chromium.
    output holding a plan (the data contract the frontend draws).
 2. The example workflows are valid UI-format workflows and the server lists and serves them as
    this pack's templates.
-3. In the browser: load ``example_workflows/vramcut_plan_preview.json`` (fetched from the
+3. In the browser: load ``example_workflows/VRAMCut - plan preview.json`` (fetched from the
    template route), point it at the tiny model, queue it, and check the plan is drawn: the
    widget's data attributes (DOM) and its pixels (resident and streamed colours on screen).
    A screenshot is saved under tests/web/artifacts/ (or $VRAMCUT_WEB_ARTIFACTS).
@@ -14,8 +14,8 @@ headless Chromium.
 5. A real decode in the browser: ``VAELoader -> Max VRAM -> VAEDecode -> PreviewImage`` built
    in the page and queued with the decode muted (the node draws the weights-only plan), then
    whole: the decode measures the shapes and the server's live event redraws the node with the
-   measured plan (activations, idle encoder) while the run goes on. With
-   ``VRAMCUT_WRITE_DOCS=1`` it also writes the README picture ``docs/node_plan.png``.
+   measured plan (activations, idle encoder) while the run goes on. (The README picture
+   ``docs/node_plan.png`` is written by test_node_look.py's ``test_docs_pictures``.)
 
 Install for CI: ``apt-get install -y chromium chromium-driver`` and ``pip install selenium``.
 """
@@ -27,6 +27,8 @@ import os
 import re
 import time
 
+import urllib.parse
+
 import pytest
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
@@ -35,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "example_workflows")
 ARTIFACTS = os.environ.get("VRAMCUT_WEB_ARTIFACTS", os.path.join(HERE, "artifacts"))
 NODE_TYPE = "VRAMCutMaxVRAM"
-RUNNABLE_EXAMPLE = "vramcut_plan_preview"
+RUNNABLE_EXAMPLE = "VRAMCut - plan preview"
+FLUX_EXAMPLE = "VRAMCut - Flux on a budget"
 WIDGETS = ["max_vram_gb", "budget_mode", "reserve_gb", "prefetch", "residency"]
 
 TINY_UNITS = 7               # the tiny SD3's units (blocks) as the planner cuts it
@@ -55,6 +58,11 @@ def _api_prompt(model: str, budget_gb: float) -> dict:
             "max_vram_gb": budget_gb, "budget_mode": "fixed", "reserve_gb": 1.0, "prefetch": True,
             "residency": True, "model": ["1", 0]}},
     }
+
+
+def _template_url(server, name: str, ext: str = "json", api: bool = True) -> str:
+    """Where the server serves this pack's example ``name`` (a file name with spaces)."""
+    return f"{server.url if api else ''}/api/workflow_templates/{server.pack_folder}/{urllib.parse.quote(name)}.{ext}"
 
 
 def _wait_history(server, prompt_id: str) -> dict:
@@ -112,14 +120,19 @@ def test_example_workflow_is_a_template(comfy_server, name):
     for link in wf["links"]:
         assert link[1] in ids and link[3] in ids
 
-    # the template browser titles the example from the pack's locale, not by its file name
+    # the template browser titles a pack's template by its file name (frontend 1.27 to 1.49 read
+    # no locale for them): the name is the title
+    assert name.startswith("VRAMCut - ") and "_" not in name, name
     titles = comfy_server.get("/i18n")["en"]["templateWorkflows"]["template"][comfy_server.pack_folder]
-    assert titles[name] and titles[name] != name and "_" not in titles[name], titles
+    assert titles[name] == name, titles
+    notes = " ".join(str(v) for n in wf["nodes"] if n["type"] in ("Note", "MarkdownNote") for v in n["widgets_values"])
+    assert "weights only" not in notes and "'estimate'" in notes, notes  # the badge's own word
 
     listed = comfy_server.get("/workflow_templates")
     assert name in listed.get(comfy_server.pack_folder, []), listed
-    served = comfy_server.get(f"/api/workflow_templates/{comfy_server.pack_folder}/{name}.json")
+    served = comfy_server.get(_template_url(comfy_server, name)[len(comfy_server.url):])
     assert served == wf
+    assert os.path.isfile(os.path.join(EXAMPLES, name + ".jpg")), "no thumbnail beside the example"
 
 
 # ------------------------------------------------------------------------------------ browser
@@ -265,7 +278,7 @@ def _save(name: str, png: bytes) -> str:
 
 def _run_example(browser, server):
     _open(browser, server)
-    url = f"{server.url}/api/workflow_templates/{server.pack_folder}/{RUNNABLE_EXAMPLE}.json"
+    url = _template_url(server, RUNNABLE_EXAMPLE)
     r = browser.execute_async_script(RUN_EXAMPLE_JS, url, server.tiny_model, server.tiny_budget_gb)
     assert "error" not in r, r["error"]
     return r["id"], _wait(browser, "the traced plan to be drawn", lambda: _traced_plan_drawn(browser))
@@ -411,9 +424,11 @@ def test_decode_updates_the_plan_with_measured_shapes_in_history(comfy_server):
 
 # ------------------------------------------------------------- a real VAE decode in the browser
 
-# Colours the extension draws with (web/plan/theme.js COLORS); only resident / streamed are also on
-# the element's dataset.
-ACTIVATION_COLOR = "#a78bfa"
+# Colours the extension draws with (web/plan/theme.js COLORS; the element's dataset names the
+# plan's four fills too).
+RESIDENT_COLOR = "#0072b2"
+STREAMED_COLOR = "#e69f00"
+ACTIVATION_COLOR = "#56b4e9"
 IDLE_COLOR = "#6b7280"
 MEASURED_BADGE = "#16a34a"
 WEIGHTS_BADGE = "#64748b"
@@ -426,7 +441,7 @@ BADGE_TOLERANCE = 3          # the badges are flat fills; idle (#6b7280) is 11 a
 VAE_BUDGET_GB = 0.16
 DOCS_IMAGE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "node_plan.png")
 DOCS_ZOOM = 1.5
-DOCS_WIDTH = 460             # graph units (the node's default is 360)
+DOCS_WIDTH = 360             # graph units: the node's default width
 
 # Build VAELoader -> Max VRAM -> VAEDecode(EmptyLatentImage 64x64) -> PreviewImage in the page,
 # log what reaches the page (api events and every data-stage the node's plan element takes).
@@ -598,11 +613,12 @@ def _wait_run(browser, server, node_id, stage: str, grace_s: float = 10.0):
     return _wait(browser, f"the run to finish with a {stage!r} plan drawn", ready, timeout=PROMPT_TIMEOUT_S)
 
 
-def _node_crop(browser, node_id, scale, width=None, hide_links=None, pad=8):
-    """PNG of the node (title, widgets and plan) cut out of a page screenshot."""
+def _node_crop(browser, node_id, scale, width=None, hide_links=None, pad=8, at=(100, 90)):
+    """PNG of the node (title, widgets and plan) cut out of a page screenshot; ``at``: where on
+    the page the node's top left goes (the default is clear of the sidebar)."""
     from PIL import Image
 
-    box = browser.execute_async_script(FRAME_NODE_JS, node_id, scale, 100, 90, width, hide_links)  # clear of the sidebar
+    box = browser.execute_async_script(FRAME_NODE_JS, node_id, scale, at[0], at[1], width, hide_links)
     assert box["settled"] and box["fits"], ("the plan was not redrawn at the new size / zoom", box)
     page = Image.open(io.BytesIO(browser.get_screenshot_as_png())).convert("RGB")
     l, t = max(0, int(box["left"]) - pad), max(0, int(box["top"]) - pad)
@@ -624,7 +640,7 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
     assert "error" not in ids, ids["error"]
     cut, branch = ids["cut"], [ids["decode"], ids["preview"]]
     browser.execute_script("app.graph.getNodeById(arguments[0]).vramcutSetDetails(true)", cut)  # every segment drawn
-    colors = {"resident": ("#3b82f6", COLOR_TOLERANCE), "streamed": ("#f59e0b", COLOR_TOLERANCE),
+    colors = {"resident": (RESIDENT_COLOR, COLOR_TOLERANCE), "streamed": (STREAMED_COLOR, COLOR_TOLERANCE),
               "activation": (ACTIVATION_COLOR, COLOR_TOLERANCE), "idle": (IDLE_COLOR, BADGE_TOLERANCE),
               "measured_badge": (MEASURED_BADGE, BADGE_TOLERANCE),
               "weights_badge": (WEIGHTS_BADGE, BADGE_TOLERANCE)}
@@ -688,13 +704,8 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
     for k in ("resident", "streamed", "activation"):  # on screen, not only in the buffer
         assert _count_on_screen(node_png, colors[k][0]) > 50, k
 
-    # the README picture: wider, so the counts line is not cut; no wires running into the crop
-    docs_png = _node_crop(browser, cut, DOCS_ZOOM, width=DOCS_WIDTH, hide_links=True)
-    _save("node_plan.png", docs_png)
-    if os.environ.get("VRAMCUT_WRITE_DOCS") == "1":
-        with open(DOCS_IMAGE, "wb") as f:
-            f.write(docs_png)
-        print(f"docs image: {DOCS_IMAGE} ({len(docs_png) // 1024} KiB)")
+    # as in the README picture: the default width, larger, no wires running into the crop
+    _save("node_plan.png", _node_crop(browser, cut, DOCS_ZOOM, width=DOCS_WIDTH, hide_links=True))
 
     errors = [m for m in _console_errors(browser) if "vramcut" in m.lower()]
     assert not errors, errors
@@ -942,7 +953,7 @@ def test_budget_too_small_says_which_budget_works(comfy_server, browser):
     """The error on the node offers the fix: a max_vram_gb that is large enough."""
     s = comfy_server
     _open(browser, s)
-    url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
+    url = _template_url(s, RUNNABLE_EXAMPLE)
     r = browser.execute_async_script(RUN_EXAMPLE_JS, url, s.tiny_model, 0.001)
     assert "error" not in r, r["error"]
     st = _wait(browser, "the budget error on the node", lambda: (
@@ -1251,7 +1262,7 @@ OPEN_EXAMPLE_JS = """
 const [url, done] = arguments;
 (async () => {
   const wf = await (await fetch(url)).json();
-  await app.loadGraphData(wf, true, true, url.split("/").pop().replace(/\\.json$/, ""));
+  await app.loadGraphData(wf, true, true, decodeURIComponent(url.split("/").pop().replace(/\\.json$/, "")));
   app.canvas.ds.scale = 1;
   app.canvas.ds.offset = [20, 50];
   app.canvas.setDirty(true, true);
@@ -1261,10 +1272,10 @@ const [url, done] = arguments;
 """ % {"node": NODE_TYPE}
 
 
-def _open_runnable_example(browser, s) -> dict:
-    """Open the plan-preview example from the template endpoint; its node's id and saved size."""
+def _open_runnable_example(browser, s, name=RUNNABLE_EXAMPLE) -> dict:
+    """Open an example (the plan preview) from the template endpoint; its node's id and saved size."""
     _open(browser, s)
-    url = f"{s.url}/api/workflow_templates/{s.pack_folder}/{RUNNABLE_EXAMPLE}.json"
+    url = _template_url(s, name)
     r = browser.execute_async_script(OPEN_EXAMPLE_JS, url)
     assert "error" not in r, r["error"]
     time.sleep(1.0)
@@ -1300,3 +1311,8 @@ def test_opening_and_running_an_example_leaves_it_unchanged(comfy_server, browse
     _save("example_preview_run.png", _node_crop(browser, r["id"], 1.0))
     after = browser.execute_script(TRACKER_JS, r["id"], False)
     assert not after["modified"] and after["undo"] == saved["undo"] and after["size"] == saved["size"], (saved, after)
+
+    # the Flux example (not runnable here) opens unchanged too
+    r = _open_runnable_example(browser, s, FLUX_EXAMPLE)
+    opened = browser.execute_script(TRACKER_JS, r["id"], False)
+    assert not opened["modified"] and opened["undo"] == 0 and opened["size"] == r["saved"], (opened, r)

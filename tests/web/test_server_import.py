@@ -82,7 +82,7 @@ def _api_prompt_from_ui(wf: dict) -> dict:
 
 
 def test_saved_example_workflow_runs(comfy_server):
-    with open(os.path.join(EXAMPLES, "vramcut_plan_preview.json"), encoding="utf-8") as f:
+    with open(os.path.join(EXAMPLES, "VRAMCut - plan preview.json"), encoding="utf-8") as f:
         prompt = _api_prompt_from_ui(json.load(f))
     (loader,) = [n for n in prompt.values() if n["class_type"] == "UNETLoader"]
     loader["inputs"]["unet_name"] = comfy_server.tiny_model  # a model file that is here

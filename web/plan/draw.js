@@ -7,13 +7,16 @@
 // Rule: draw Python's figures, never recompute the plan; touch no DOM but the canvas context,
 // and do nothing at import (ComfyUI also loads this file on its own as an extension script).
 
-import { isIdle, isStreamed, asArray, summarize } from "./payload.js";
-import { answer, costTip, fmtBytes, gib, gibText, refusal, refusalFor, sharedPrefix, shortSegmentName } from "./format.js";
-import { COLORS } from "./theme.js";
+import { asArray, summarize } from "./payload.js";
+import { answer, costTip, fmtBytes, gib, gibText, refusal, refusalFor, segmentCounts, sharedPrefix, shortSegmentName } from "./format.js";
+import { COLORS, inkOn } from "./theme.js";
+import { groupLabels, labelChoices, pickLabels } from "./labels.js";
 
 export const LOW_ZOOM = 0.6;  // LiteGraph draws no text below this scale: the plan keeps its answer
 const READABLE_PX = 11;       // on-screen text size the low-zoom view aims for
 export const HEADER_H = 22;   // the header row (the buttons sit in it)
+const ACT_H = 22;             // the activation row above the segment bars (the tallest is this high)
+const ACT_MIN_H = 4;          // an activation, however small, stays visible
 
 export function fitText(ctx, text, maxW) {
   text = String(text);
@@ -73,14 +76,22 @@ function makePen(ctx, W, theme, paint) {
     paint,
     y: 0,
     regions: [],
+    // every text drawn, with its box and the fill under it when there is one (what the tests and
+    // the node's layout checks read: nothing may be cut or drawn under the buttons)
+    texts: [],
+    bars: [],
     font: (size, weight = 400) => `${weight} ${size}px ${theme.font}`,
-    text(s, x, y, color, font, align = "left") {
+    text(s, x, y, color, font, align = "left", bg = null, kind = null) {
       if (!paint) return;
       ctx.font = font;
       ctx.fillStyle = color;
       ctx.textAlign = align;
       ctx.textBaseline = "middle";
       ctx.fillText(s, x, y);
+      const w = ctx.measureText(s).width;
+      const left = align === "center" ? x - w / 2 : align === "right" ? x - w : x;
+      const size = Number(/(\d+(?:\.\d+)?)px/.exec(font)?.[1] ?? 12);
+      this.texts.push({ text: String(s), x: left, y: y - size / 2, w, h: size, color, size, bg, kind });
     },
     rect(x, y, w, h, color) {
       if (!paint || w <= 0 || h <= 0) return;
@@ -100,6 +111,7 @@ function makePen(ctx, W, theme, paint) {
  */
 export function render(ctx, payload, W, theme, paint, opts = {}) {
   const { reserveRight = 0, details = false, zoom = 1, unused = [] } = opts;
+  let headerH = 0;
   const pen = makePen(ctx, W, theme, paint);
   const unusedText = unused.length
     ? `${unused.join(", ")} output${unused.length > 1 ? "s are" : " is"} not connected: the plan never applies. ` +
@@ -110,6 +122,7 @@ export function render(ctx, payload, W, theme, paint, opts = {}) {
   if (zoom < LOW_ZOOM) drawZoomedOut(pen, payload, zoom, unused);
   else {
     drawHeader(pen, payload, reserveRight);
+    headerH = pen.y;
     if (!payload) {
       if (unusedText) drawBanner(pen, unusedText, theme.warning, details);
       drawNoPlan(pen);
@@ -118,10 +131,11 @@ export function render(ctx, payload, W, theme, paint, opts = {}) {
       // below an error: the error is what stopped the run
       if (unusedText && payload.enabled) drawBanner(pen, unusedText, theme.warning, details);
       payload.models.forEach((m, idx) => drawModel(pen, m, idx, payload.budget_bytes, details, refusalFor(payload, m)));
-      if (details && payload.models.length) drawLegend(pen, payload);
+      // the key to the colours, in both views (a refusal draws its own bar, no plan's)
+      if (payload.models.some((m) => !refusalFor(payload, m))) drawLegend(pen, payload, details);
     }
   }
-  return { height: Math.ceil(pen.y + 2), regions: pen.regions };
+  return { height: Math.ceil(pen.y + 2), regions: pen.regions, texts: pen.texts, bars: pen.bars, headerH };
 }
 
 /** One big line per model (its short answer), sized to stay readable on screen. */
@@ -145,21 +159,43 @@ function drawZoomedOut(pen, payload, zoom, unused) {
   }
 }
 
-/** What this is and the budget (per model), room for the buttons at the right. */
+/** The budget as the header says it: per model, "off" when VRAMCut is off (a budget of 0). */
+export function budgetText(payload) {
+  if (!payload.enabled || Number(payload.budget_bytes) === 0) return "budget off";
+  if (payload.budget_bytes == null) return "budget: free VRAM less reserve";
+  return `${gib(payload.budget_bytes)} GiB per model`;
+}
+
+/** What this is and the budget (per model), room for the buttons at the right. Where the row
+ * beside the buttons is too narrow, the title (and then the budget) go on rows of their own
+ * below the buttons: nothing is drawn under them. */
 function drawHeader(pen, payload, reserveRight) {
   const { ctx, W, theme } = pen;
   ctx.font = pen.font(13, 700);
   const head = "VRAM plan";
   const headW = ctx.measureText(head).width;
-  pen.text(head, 0, pen.y + 10, theme.strong, pen.font(13, 700));
+  const besideButtons = W - reserveRight - 4;
+  const top = pen.y;
+  if (headW > besideButtons) pen.y += HEADER_H; // the buttons keep the first row to themselves
+  const rowY = pen.y;
+  pen.text(head, 0, rowY + 10, theme.strong, pen.font(13, 700), "left", null, "title");
+  let room = (pen.y === top ? besideButtons : W) - headW - 8;
   if (payload) {
     const s = summarize(payload);
-    const budget = !payload.enabled ? "off" : payload.budget_bytes != null ? `${gib(payload.budget_bytes)} GiB per model`
-      : "budget: free VRAM less reserve";
+    const budget = budgetText(payload);
+    const sub = s.models > 1 ? `${budget} · ${s.models} models` : budget;
     ctx.font = pen.font(12);
-    const sub = fitText(ctx, s.models > 1 ? `${budget} · ${s.models} models` : budget, W - headW - 10 - reserveRight);
-    pen.text(sub, headW + 8, pen.y + 10, theme.muted, pen.font(12));
-    pen.tip(0, pen.y, W - reserveRight, HEADER_H,
+    let x = headW + 8;
+    let y = rowY;
+    if (ctx.measureText(sub).width > room) {
+      // a row of its own, below
+      pen.y += HEADER_H - 4;
+      y = pen.y;
+      x = 0;
+      room = W; // below the buttons' row
+    }
+    pen.text(fitText(ctx, sub, room), x, y + 10, theme.muted, pen.font(12), "left", null, "budget");
+    pen.tip(0, top, W, pen.y + HEADER_H - top,
       "Each model connected here gets this budget on its own: they run one after another, not together.");
   }
   pen.y += HEADER_H + 2;
@@ -191,10 +227,11 @@ function drawBanner(pen, msg, color, details, tip = msg, headline = null) {
     ctx.fillStyle = color;
     ctx.fill();
   }
-  pen.text("!", 14, y + 13.5, "#fff", pen.font(12, 800), "center");
-  head.forEach((l, i) => pen.text(l, 28, y + 5 + 8 + i * 16, theme.strong, pen.font(13, 700)));
+  pen.text("!", 14, y + 13.5, inkOn(color), pen.font(12, 800), "center", color);
+  head.forEach((l, i) => pen.text(l, 28, y + 5 + 8 + i * 16, theme.strong, pen.font(13, 700), "left", null, "banner"));
   const top = y + 5 + head.length * 16;
-  lines.forEach((l, i) => pen.text(l, 28, top + 7.5 + i * 15, headline ? theme.fg : theme.strong, pen.font(12, headline ? 500 : 600)));
+  lines.forEach((l, i) => pen.text(l, 28, top + 7.5 + i * 15, headline ? theme.fg : theme.strong, pen.font(12, headline ? 500 : 600),
+    "left", null, "banner"));
   pen.tip(0, y, W, h, tip);
   pen.y += h + 6;
 }
@@ -263,19 +300,22 @@ function drawTitle(pen, m, refused = null) {
   const badge = refused ? "refused" : measured ? "measured" : traced ? "traced" : "estimate";
   ctx.font = pen.font(11, 700);
   const bw = ctx.measureText(badge).width + 12;
+  const fill = refused ? COLORS.over : measured ? COLORS.measured : traced ? COLORS.traced : COLORS.weightsOnly;
   if (pen.paint) {
     roundRect(ctx, W - bw, y + 1, bw, 16, 8);
-    ctx.fillStyle = refused ? COLORS.over : measured ? COLORS.measured : traced ? COLORS.traced : COLORS.weightsOnly;
+    ctx.fillStyle = fill;
     ctx.fill();
   }
-  pen.text(badge, W - bw / 2, y + 9.5, "#fff", pen.font(11, 700), "center");
+  pen.text(badge, W - bw / 2, y + 9.5, inkOn(fill), pen.font(11, 700), "center", fill, "badge");
   ctx.font = pen.font(12, 600);
-  pen.text(fitText(ctx, m.label, W - bw - 8), 0, y + 9, theme.strong, pen.font(12, 600));
+  // the label wraps beside the badge (a narrow node), whole up to three rows
+  const rows = wrapText(ctx, m.label, W - bw - 8, 3);
+  rows.forEach((l, i) => pen.text(l, 0, y + 9 + i * 15, theme.strong, pen.font(12, 600), "left", null, "label"));
   pen.tip(W - bw, y, bw, 18, refused ? "The run was refused: this budget cannot hold it. The banner says which budget works."
     : measured ? `Measured for input ${m.signature ?? "(this shape)"}: activations and time come from a real run.`
     : traced ? `Traced at ${m.traced_at}: activations from a dry run on fake tensors; no weight moved. The first real run measures them.`
     : "Estimate: weights are exact, activations and time are estimated until the first run.");
-  pen.y += 21;
+  pen.y += 21 + (rows.length - 1) * 15;
 }
 
 /** The answer line: the verdict coloured, then VRAM, blocks streamed and the time it adds;
@@ -284,23 +324,34 @@ function drawAnswer(pen, m, a) {
   const { ctx, W, theme } = pen;
   const verdictFont = pen.font(13, 700);
   const restFont = pen.font(13, 500);
-  ctx.font = verdictFont;
-  const vw = ctx.measureText(a.verdict).width;
-  ctx.font = restFont;
-  const one = ` · ${a.vram} · ${a.stream} · ${a.time}`;
   const answerTop = pen.y;
-  const verdictColor = a.fits ? theme.fits : COLORS.over;
-  pen.text(a.verdict, 0, pen.y + 8, verdictColor, verdictFont);
-  if (vw + ctx.measureText(one).width <= W) {
-    pen.text(one, vw, pen.y + 8, theme.fg, restFont);
-    pen.y += 18;
-  } else {
-    pen.text(fitText(ctx, ` · ${a.vram}`, W - vw), vw, pen.y + 8, theme.fg, restFont);
+  // the parts flow onto as many rows as the width needs, each part whole
+  const parts = [[a.verdict, a.fits ? theme.fits : COLORS.over, verdictFont],
+    ...[a.vram, a.stream, a.time].map((t) => [t, theme.fg, restFont])];
+  let x = 0;
+  const place = (s, color, font) => {
+    pen.text(s, x, pen.y + 8, color, font, "left", null, "answer");
+    x += ctx.measureText(s).width;
+  };
+  const newRow = () => {
     pen.y += 17;
-    ctx.font = restFont;
-    pen.text(fitText(ctx, `${a.stream} · ${a.time}`, W), 0, pen.y + 8, theme.fg, restFont);
-    pen.y += 18;
-  }
+    x = 0;
+  };
+  parts.forEach(([t, color, font], i) => {
+    ctx.font = font;
+    const sep = i && x > 0 ? " · " : "";
+    if (x > 0 && x + ctx.measureText(sep + t).width > W) newRow();
+    if (ctx.measureText(t).width <= W - x) place(x > 0 ? sep + t : t, color, font);
+    else {
+      // a part wider than the node: its words flow over rows, each whole
+      t.split(" ").forEach((word, k) => {
+        const gap = k ? " " : x > 0 ? sep : "";
+        if (x > 0 && x + ctx.measureText(gap + word).width > W) newRow();
+        place(x > 0 ? gap + word : fitText(ctx, word, W), color, font);
+      });
+    }
+  });
+  pen.y += 18;
   pen.tip(0, answerTop, W, pen.y - answerTop, a.refused ? "Refused: the budget is too small for this run." : costTip(m));
 }
 
@@ -376,13 +427,15 @@ function drawWarningLine(pen, warnings) {
 }
 
 /**
- * Details: the model in execution order, one bar per segment as wide as its weights, its
- * activations on top on the budget's scale (so 46 MiB looks small next to a 0.3 GiB budget).
+ * Details: the model in execution order, one bar per segment as wide as its weights, labelled
+ * where a whole label fits, its activations in the row above (the tallest full height, so they
+ * compare with each other; the tooltip gives the bytes).
  * Returns the name prefix the labels dropped.
  */
 function drawSegments(pen, segs, budget) {
   const { ctx, W, theme } = pen;
-  const actH = segs.some((s) => Number(s.activation_bytes) > 0) ? 12 : 0;
+  const maxAct = Math.max(0, ...segs.map((s) => Number(s.activation_bytes) || 0));
+  const actH = maxAct > 0 ? ACT_H : 0;
   const wH = 20;
   const total = segs.reduce((n, s) => n + Math.max(0, Number(s.weight_bytes) || 0), 0);
   const gap = segs.length && W / segs.length >= 4 ? 1 : 0;
@@ -392,52 +445,61 @@ function drawSegments(pen, segs, budget) {
   const free = Math.max(0, W - minW * segs.length);
   const names = segs.map((s) => shortSegmentName(s.name));
   const prefix = sharedPrefix(names);
+  const widths = segs.map((s) => minW + (total > 0 ? (Math.max(0, Number(s.weight_bytes) || 0) / total) * free : free / segs.length));
+  const drawWs = widths.map((sw) => sw - (sw > 2 ? gap : 0));
+  const labelFont = pen.font(11, 600);
+  ctx.font = labelFont;
+  const labels = pickLabels(ctx, names.map((n) => labelChoices(n, prefix)), drawWs.map((w) => w - 6));
+  const colors = segs.map((s) => (s.resident ? COLORS.resident : s.idle ? COLORS.idle : COLORS.streamed));
+  const groups = groupLabels(ctx, names.map((n) => n.slice(prefix.length)), colors, labels, widths);
   let sx = 0;
   pen.y += 2;
   const y = pen.y;
   segs.forEach((s, i) => {
     const wb = Math.max(0, Number(s.weight_bytes) || 0);
-    const sw = minW + (total > 0 ? (wb / total) * free : free / segs.length);
-    const color = s.resident ? COLORS.resident : s.idle ? COLORS.idle : COLORS.streamed;
-    const drawW = sw - (sw > 2 ? gap : 0);
+    const sw = widths[i];
+    const color = colors[i];
+    const drawW = drawWs[i];
     pen.rect(sx, y + actH, drawW, wH, color);
     const av = Number(s.activation_bytes) || 0;
     if (actH && av > 0) {
-      const h = Math.min(actH - 1, Math.max(1, (av / Math.max(budget, av, 1)) * (actH - 1)));
+      const h = Math.min(actH - 1, Math.max(ACT_MIN_H, (av / maxAct) * (actH - 1)));
       pen.rect(sx, y + actH - 1 - h, drawW, h, COLORS.activation);
     }
-    if (pen.paint && drawW > 26) {
-      ctx.font = pen.font(11, 600);
-      const label = names[i].slice(prefix.length);
-      const fitted = fitText(ctx, label, drawW - 6);
-      if (fitted && fitted !== "…") pen.text(fitted, sx + 3, y + actH + wH / 2, "#fff", pen.font(11, 600));
-    }
+    if (labels[i]) pen.text(labels[i], sx + 3, y + actH + wH / 2, inkOn(color), labelFont, "left", color, "segment");
     const nUnits = asArray(s.units).length;
     const where = s.resident ? "resident" : s.idle ? "idle (not run)" : "streamed each step";
     pen.tip(sx, y, sw, actH + wH,
       `${names[i]} · ${where}\n${fmtBytes(wb)} weights · ${s.activation_bytes == null ? "activations not measured" : `${fmtBytes(av)} activations`}` +
       (nUnits > 1 ? ` · ${nUnits} blocks` : ""));
+    if (pen.paint) pen.bars.push({ x: sx, y: y + actH, w: drawW, h: wH, color, label: labels[i], name: names[i] });
     sx += sw;
   });
+  for (const g of groups) {
+    const x0 = widths.slice(0, g.from).reduce((a, b) => a + b, 0);
+    pen.text(g.text, x0 + 3, y + actH + wH / 2, inkOn(colors[g.from]), labelFont, "left", colors[g.from], "segment");
+    if (pen.paint) pen.bars.push({ x: x0, y: y + actH, w: widths.slice(g.from, g.to + 1).reduce((a, b) => a + b, 0) - gap,
+      h: wH, color: colors[g.from], label: g.text, name: `${g.text}.*`, group: true });
+  }
   if (!segs.length) pen.text("no segments", 0, y + actH + wH / 2, theme.muted, pen.font(12));
   pen.y += actH + wH + 4;
   return prefix;
 }
 
-/** Counts, the shared prefix dropped from the labels, and the input signature. */
+/** Counts, the shared prefix dropped from the labels, and the input signature, wrapped: every
+ * part whole. */
 function drawCounts(pen, m, prefix) {
-  const segs = m.plan.segments;
-  const nRes = segs.filter((s) => s.resident).length;
-  const nStr = segs.filter(isStreamed).length;
-  const nIdle = segs.filter(isIdle).length;
   const nCopies = Number(m.plan.transfers_per_forward);
-  let counts = `${prefix ? `${prefix}* · ` : ""}${nRes} resident · ${nStr} streamed` + (nIdle ? ` · ${nIdle} idle` : "") +
-    ` segments` + (Number.isFinite(nCopies) && nCopies > 0 ? ` · ${nCopies} transfer${nCopies === 1 ? "" : "s"} per forward` : "");
+  let counts = `${prefix ? `${prefix}* · ` : ""}${segmentCounts(m.plan)}` +
+    (Number.isFinite(nCopies) && nCopies > 0 ? ` · ${nCopies} transfer${nCopies === 1 ? "" : "s"} per forward` : "");
   if (m.traced_at) counts += ` · traced at ${m.traced_at}`;
   else if (m.signature) counts += ` · ${m.signature}`;
   pen.ctx.font = pen.font(12);
-  pen.text(fitText(pen.ctx, counts, pen.W), 0, pen.y + 8, pen.theme.muted, pen.font(12));
-  pen.y += 17;
+  for (const l of wrapText(pen.ctx, counts, pen.W, 4)) {
+    pen.text(l, 0, pen.y + 8, pen.theme.muted, pen.font(12), "left", null, "counts");
+    pen.y += 16;
+  }
+  pen.y += 1;
 }
 
 /** With the details: every warning, wrapped. */
@@ -454,19 +516,32 @@ function drawWarnings(pen, warnings) {
   }
 }
 
-/** The legend, with the details. */
-function drawLegend(pen, payload) {
-  const { ctx, theme, y } = pen;
+/** The key to the colours: what the bars show (in the compact view the parts of the VRAM bar
+ * this plan has, with the details every kind of segment); items flow onto more rows when narrow. */
+function drawLegend(pen, payload, details) {
+  const { ctx, theme, W } = pen;
+  const plans = payload.models.map((m) => m.plan);
+  const has = (f) => plans.some((p) => Number(f(p)) > 0);
+  const items = [];
+  if (details || has((p) => p.resident_bytes)) items.push(["resident", COLORS.resident]);
+  if (details || has((p) => p.window_bytes)) items.push(["streamed", COLORS.streamed]);
+  if (has((p) => p.activation_reserve_bytes)) items.push(["activations", COLORS.activation]);
+  if (details && summarize(payload).idle) items.push(["idle", COLORS.idle]);
+  items.push(["budget", null]);
+  const font = pen.font(11);
+  ctx.font = font;
   let lx = 0;
-  const items = [["resident", COLORS.resident], ["streamed", COLORS.streamed], ["activations", COLORS.activation]];
-  if (summarize(payload).idle) items.push(["idle", COLORS.idle]);
-  ctx.font = pen.font(12);
+  const row = 15;
   for (const [name, color] of items) {
-    pen.rect(lx, y + 2, 10, 10, color);
-    pen.text(name, lx + 13, y + 7, theme.muted, pen.font(12));
-    lx += 13 + ctx.measureText(name).width + 10;
+    const w = 13 + ctx.measureText(name).width;
+    if (lx > 0 && lx + w > W) {
+      pen.y += row;
+      lx = 0;
+    }
+    if (color) pen.rect(lx, pen.y + 2, 10, 10, color);
+    else pen.rect(lx + 4, pen.y, 2, 14, theme.strong);
+    pen.text(name, lx + 13, pen.y + 7, theme.muted, font, "left", null, "legend");
+    lx += w + 10;
   }
-  pen.rect(lx + 3, y, 2, 14, theme.strong);
-  pen.text("budget", lx + 9, y + 7, theme.muted, pen.font(12));
-  pen.y += 17;
+  pen.y += row + 2;
 }

@@ -6,7 +6,7 @@
 // vramcut_core/report.py cost_to_json), only formatted here; pure functions, nothing done at
 // import (ComfyUI also loads this file on its own as an extension script).
 
-import { asArray, isStreamed, unitCount } from "./payload.js";
+import { asArray, isIdle, isStreamed, unitCount } from "./payload.js";
 
 const KIB = 1024;
 const MIB = 1024 ** 2;
@@ -48,6 +48,15 @@ function fmtSeconds(s) {
   if (s >= 0.095) return `${s.toFixed(2)} s`;
   if (s >= 0.0005) return `${(s * 1000).toFixed(s >= 0.01 ? 0 : 1)} ms`;
   return "0 s";
+}
+
+/** "1 resident · 3 streamed · 9 idle segments": the chart's and the table's one count, from the
+ * flags Python sent on each segment. */
+export function segmentCounts(plan) {
+  const segs = plan.segments;
+  const nIdle = segs.filter(isIdle).length;
+  return `${segs.filter((s) => s.resident).length} resident · ${segs.filter(isStreamed).length} streamed` +
+    (nIdle ? ` · ${nIdle} idle` : "") + " segments";
 }
 
 /** "double_blocks.0 … double_blocks.15" -> "double_blocks.0…15" */
@@ -157,19 +166,6 @@ export function costTip(m) {
     lines.push("The first call only measured the shapes (every block through one slot, once per shape).");
   lines.push(`Bandwidth ${bw} (${where}, measured once on this machine).`);
   return lines.join("\n");
-}
-
-export function allText(payload) {
-  if (!payload) return "No plan yet: queue the workflow.";
-  const parts = [];
-  if (payload.message) parts.push(`!! ${payload.message}`);
-  for (const m of payload.models) {
-    let t = `${m.label}\n${answer(m, payload.budget_bytes, refusalFor(payload, m)).line}\n\n${m.text || ""}`;
-    if (m.traced_at) t += `\ntraced at ${m.traced_at} (a dry run: nothing has run yet)`;
-    else if (m.signature) t += `\ninput: ${m.signature}`;
-    parts.push(t);
-  }
-  return parts.join("\n\n") || "No model connected.";
 }
 
 /** The fix for a budget that is too small, from what the error carried: one number, the one

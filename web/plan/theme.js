@@ -6,11 +6,14 @@
 
 export const FONT_FALLBACK = "Inter, Arial, sans-serif";
 
-// Blue/orange stays distinguishable for the common colour-vision deficiencies.
+// The plan's fills are Okabe-Ito colours (blue, orange, sky blue), which stay apart under the
+// common colour-vision deficiencies (red-green and blue-yellow), in both palettes; idle is a
+// neutral grey. Text drawn on a
+// fill takes the ink of that fill (INK): at least 4.5:1 contrast, as WCAG asks of small text.
 export const COLORS = {
-  resident: "#3b82f6",
-  streamed: "#f59e0b",
-  activation: "#a78bfa",
+  resident: "#0072b2",
+  streamed: "#e69f00",
+  activation: "#56b4e9",
   idle: "#6b7280",
   over: "#ef4444",
   measured: "#16a34a",
@@ -23,12 +26,35 @@ export const COLORS = {
   fitsOnLight: "#15803d",
 };
 
-function luminance(color) {
+function channels(color) {
   const m = /^#?([0-9a-f]{3}|[0-9a-f]{6})$/i.exec(String(color).trim());
-  if (!m) return 0;
+  if (!m) return null;
   const h = m[1].length === 3 ? m[1].replace(/./g, "$&$&") : m[1];
-  const [r, g, b] = [0, 2, 4].map((i) => parseInt(h.slice(i, i + 2), 16) / 255);
-  return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  return [0, 2, 4].map((i) => parseInt(h.slice(i, i + 2), 16) / 255);
+}
+
+function luminance(color) {
+  const c = channels(color);
+  return c ? 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2] : 0;
+}
+
+/** WCAG relative luminance (linear light). */
+function relativeLuminance(color) {
+  const c = channels(color);
+  if (!c) return 0;
+  const lin = c.map((v) => (v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4));
+  return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2];
+}
+
+/** WCAG contrast ratio of two colours (1 to 21). */
+export function contrast(a, b) {
+  const [x, y] = [relativeLuminance(a), relativeLuminance(b)].sort((p, q) => q - p);
+  return (x + 0.05) / (y + 0.05);
+}
+
+/** The text colour for a fill: white or near-black, whichever contrasts more. */
+export function inkOn(fill) {
+  return contrast("#ffffff", fill) >= contrast("#111111", fill) ? "#ffffff" : "#111111";
 }
 
 export function readTheme(el) {

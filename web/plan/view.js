@@ -1,4 +1,4 @@
-// The plan's DOM widget: the canvas, the "details" / "table" buttons, the text table, and the one
+// The plan's DOM widget: the canvas, the "details" / "table" buttons, the table, and the one
 // tooltip every plan on the page shares.
 //
 // PlanView owns its element, its canvas and their observers, and schedules every redraw through
@@ -9,9 +9,10 @@
 // `app` comes in as an argument (its scripts/app.js is one folder further away from here).
 
 import { normalizePayload, summarize } from "./payload.js";
-import { allText, answer, refusal, refusalFor } from "./format.js";
+import { answer, refusal, refusalFor } from "./format.js";
 import { HEADER_H, LOW_ZOOM, render } from "./draw.js";
 import { COLORS, FONT_FALLBACK, readTheme } from "./theme.js";
+import { fillTable } from "./table.js";
 
 // One small styled tooltip for every plan on the page (a canvas `title` would be a raw dump in
 // the browser's own font).
@@ -135,19 +136,23 @@ export class PlanView {
     });
     el.dataset.residentColor = COLORS.resident;
     el.dataset.streamedColor = COLORS.streamed;
+    el.dataset.activationColor = COLORS.activation;
+    el.dataset.idleColor = COLORS.idle;
 
     const canvas = document.createElement("canvas");
     canvas.className = "vramcut-plan-canvas";
     Object.assign(canvas.style, { display: "block", width: "100%", height: "100%" });
 
-    const pre = document.createElement("pre");
+    // the table: as wide as the node (names wrap, numbers stay whole), scrolled only downwards
+    const pre = document.createElement("div");
     pre.className = "vramcut-plan-table";
     Object.assign(pre.style, {
       display: "none", position: "absolute", left: "0", right: "0", top: `${HEADER_H}px`, bottom: "0",
-      margin: "0", padding: "4px", overflow: "auto", whiteSpace: "pre", pointerEvents: "auto",
-      font: "11px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace",
+      margin: "0", padding: "4px 6px", overflowX: "hidden", overflowY: "auto", pointerEvents: "auto",
+      font: `11px/1.35 ${FONT_FALLBACK}`, fontVariantNumeric: "tabular-nums",
       background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)",
       border: "1px solid var(--border-color, #4e4e4e)", borderRadius: "4px", boxSizing: "border-box",
+      userSelect: "text",
     });
     // the table scrolls on its own; the graph zooms everywhere else
     pre.addEventListener("wheel", (e) => e.stopPropagation(), { passive: true });
@@ -174,7 +179,7 @@ export class PlanView {
     // so a left-button drag on the plan moves the node here. The buttons and the table keep theirs.
     const forward = (e) => {
       const target = this.app.canvas?.canvas;
-      if (!target || e.target.closest?.("button, pre")) return;
+      if (!target || e.target.closest?.("button, .vramcut-plan-table")) return;
       if (e.type === "pointerdown" && e.button === 0) return this.dragNode(e);
       if (e.type === "wheel" || e.type === "contextmenu" || e.type === "pointerdown") e.preventDefault();
       e.stopPropagation();
@@ -194,7 +199,7 @@ export class PlanView {
   setPayload(payload) {
     this.raw = payload ?? null;
     this.payload = normalizePayload(payload);
-    this.pre.textContent = allText(this.payload);
+    fillTable(this.pre, this.payload);
     this.updateDataset();
     this.scheduleDraw();
   }
@@ -313,6 +318,10 @@ export class PlanView {
     this.bar.style.display = this.drawnLow ? "none" : "flex";
     const out = render(ctx, this.payload, cssW, theme, true, opts);
     this.regions = out.regions;
+    this.texts = out.texts;
+    this.bars = out.bars;
+    // the table starts below the header, however many rows a narrow node gives it
+    this.pre.style.top = `${Math.max(HEADER_H, out.headerH)}px`;
     this.el.dataset.drawn = String(Number(this.el.dataset.drawn || 0) + 1);
     this.el.dataset.contentHeight = String(out.height);
   }

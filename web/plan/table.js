@@ -1,0 +1,86 @@
+// The plan as a table: one row per segment (from the segments Python sent), then Python's own
+// summary lines (budget, peak, what streams, the measured run), each model under its answer line.
+//
+// The table is as wide as the node: names wrap, numbers stay whole, nothing scrolls sideways.
+// Rule: every figure is one Python sent, only formatted here (format.js); nothing done at import
+// (ComfyUI also loads this file on its own as an extension script).
+
+import { isIdle } from "./payload.js";
+import { answer, fmtBytes, refusalFor } from "./format.js";
+
+const COLUMNS = [
+  // [heading, width, align]; the segment column takes what is left
+  ["#", "2.2em", "right"],
+  ["segment", "", "left"],
+  ["where", "5.2em", "left"],
+  ["weights", "5.4em", "right"],
+  ["activ.", "5.4em", "right"],
+];
+
+function cell(tag, text, style = {}) {
+  const c = document.createElement(tag);
+  c.textContent = text;
+  Object.assign(c.style, { padding: "1px 3px", verticalAlign: "top", ...style });
+  return c;
+}
+
+function line(text, style = {}) {
+  const d = document.createElement("div");
+  d.textContent = text;
+  Object.assign(d.style, { overflowWrap: "anywhere", ...style });
+  return d;
+}
+
+function segmentTable(plan) {
+  const t = document.createElement("table");
+  Object.assign(t.style, { width: "100%", tableLayout: "fixed", borderCollapse: "collapse", margin: "3px 0" });
+  const cols = document.createElement("colgroup");
+  for (const [, w] of COLUMNS) {
+    const c = document.createElement("col");
+    if (w) c.style.width = w;
+    cols.append(c);
+  }
+  t.append(cols);
+  const head = document.createElement("tr");
+  for (const [h, , align] of COLUMNS)
+    head.append(cell("th", h, { textAlign: align, fontWeight: "600", borderBottom: "1px solid var(--border-color, #4e4e4e)" }));
+  t.append(head);
+  plan.segments.forEach((s, i) => {
+    const where = s.resident ? "resident" : isIdle(s) ? "idle" : "streamed";
+    const row = document.createElement("tr");
+    row.dataset.where = where;
+    const act = s.activation_bytes == null ? "—" : fmtBytes(Number(s.activation_bytes));
+    [String(i), String(s.name), where, fmtBytes(Number(s.weight_bytes)), act].forEach((v, k) =>
+      row.append(cell("td", v, { textAlign: COLUMNS[k][2], overflowWrap: k === 1 ? "anywhere" : "normal",
+        whiteSpace: k === 1 ? "normal" : "nowrap" })));
+    t.append(row);
+  });
+  return t;
+}
+
+/** Fill `el` with the payload's table (a short text without one). */
+export function fillTable(el, payload) {
+  el.replaceChildren();
+  if (!payload) {
+    el.append(line("No plan yet: queue the workflow."));
+    return;
+  }
+  if (payload.message) el.append(line(`! ${payload.message}`, { fontWeight: "600", marginBottom: "4px" }));
+  if (!payload.models.length && !payload.message) el.append(line("No model connected."));
+  payload.models.forEach((m, idx) => {
+    const block = document.createElement("div");
+    block.className = "vramcut-plan-table-model";
+    if (idx) Object.assign(block.style, { marginTop: "8px", paddingTop: "6px", borderTop: "1px solid var(--border-color, #4e4e4e)" });
+    block.append(line(m.label, { fontWeight: "700" }));
+    block.append(line(answer(m, payload.budget_bytes, refusalFor(payload, m)).line));
+    block.append(segmentTable(m.plan));
+    // Python's summary: the lines after its own fixed-width table (which the rows above replace)
+    const text = String(m.text || "");
+    const cut = text.indexOf("\n\n");
+    for (const l of (cut >= 0 ? text.slice(cut + 2) : "").split("\n").filter(Boolean))
+      block.append(line(l, { color: "var(--descrip-text, #999)" }));
+    if (m.traced_at) block.append(line(`traced at ${m.traced_at} (a dry run: nothing has run yet)`, { color: "var(--descrip-text, #999)" }));
+    else if (m.signature) block.append(line(`input: ${m.signature}`, { color: "var(--descrip-text, #999)" }));
+    el.append(block);
+  });
+}
