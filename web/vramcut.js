@@ -4,8 +4,8 @@
 // them); it owns what ties a plan to a node: the live events, the history a reloaded page gets
 // its plans back from, and fitting the node around the plan. The plan's own rooms are in plan/:
 // payload.js (reading what Python sent), format.js (its words and numbers), draw.js (the canvas;
-// labels.js names its segment bars), table.js (the table view) and view.js (the DOM widget and
-// its tooltip).
+// labels.js names its segment bars, pen.js fits and records its text), table.js (the table view)
+// and view.js (the DOM widget and its tooltip).
 //
 // Python owns the plan; this code only draws it. Data arrives two ways:
 //   - the node's output:  onExecuted(message) with message.vramcut = [PAYLOAD]
@@ -25,7 +25,7 @@ import { answer, refusalFor } from "./plan/format.js";
 import { lastPayload } from "./plan/payload.js";
 import { PlanView, watchPage } from "./plan/view.js";
 import { COLORS, readTheme } from "./plan/theme.js";
-import { fitText } from "./plan/draw.js";
+import { fitText } from "./plan/pen.js";
 
 // Both Max VRAM nodes send the same payload (the second one is for upscale / CLIP vision models).
 const NODE_TYPES = new Set(["VRAMCutMaxVRAM", "VRAMCutMaxVRAMExtras"]);

@@ -11,98 +11,13 @@ import { asArray, summarize } from "./payload.js";
 import { answer, costTip, fmtBytes, gib, gibText, refusal, refusalFor, segmentCounts, sharedPrefix, shortSegmentName } from "./format.js";
 import { COLORS, inkOn } from "./theme.js";
 import { groupLabels, labelChoices, pickLabels } from "./labels.js";
+import { fitText, makePen, roundRect, wrapText } from "./pen.js";
 
 export const LOW_ZOOM = 0.6;  // LiteGraph draws no text below this scale: the plan keeps its answer
 const READABLE_PX = 11;       // on-screen text size the low-zoom view aims for
 export const HEADER_H = 22;   // the header row (the buttons sit in it)
 const ACT_H = 22;             // the activation row above the segment bars (the tallest is this high)
 const ACT_MIN_H = 4;          // an activation, however small, stays visible
-
-export function fitText(ctx, text, maxW) {
-  text = String(text);
-  if (maxW <= 0) return "";
-  if (ctx.measureText(text).width <= maxW) return text;
-  let lo = 0;
-  let hi = text.length;
-  while (lo < hi) {
-    const mid = (lo + hi + 1) >> 1;
-    if (ctx.measureText(text.slice(0, mid) + "…").width <= maxW) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo ? text.slice(0, lo) + "…" : "";
-}
-
-function wrapText(ctx, text, maxW, maxLines = 4) {
-  const words = String(text).split(/\s+/).filter(Boolean);
-  const lines = [];
-  let cur = "";
-  for (const w of words) {
-    const next = cur ? `${cur} ${w}` : w;
-    if (ctx.measureText(next).width <= maxW || !cur) cur = next;
-    else {
-      lines.push(cur);
-      cur = w;
-    }
-  }
-  if (cur) lines.push(cur);
-  if (lines.length > maxLines) {
-    const kept = lines.slice(0, maxLines);
-    kept[maxLines - 1] = fitText(ctx, lines.slice(maxLines - 1).join(" "), maxW);
-    return kept;
-  }
-  return lines.map((l) => fitText(ctx, l, maxW));
-}
-
-function roundRect(ctx, x, y, w, h, r) {
-  r = Math.max(0, Math.min(r, w / 2, h / 2));
-  ctx.beginPath();
-  ctx.moveTo(x + r, y);
-  ctx.arcTo(x + w, y, x + w, y + h, r);
-  ctx.arcTo(x + w, y + h, x, y + h, r);
-  ctx.arcTo(x, y + h, x, y, r);
-  ctx.arcTo(x, y, x + w, y, r);
-  ctx.closePath();
-}
-
-/**
- * What the draw functions share: the context, the width W, the theme, `paint` (off: measure
- * only), the running `y` and the hover regions [{x, y, w, h, tip, section?}].
- */
-function makePen(ctx, W, theme, paint) {
-  return {
-    ctx,
-    W,
-    theme,
-    paint,
-    y: 0,
-    regions: [],
-    // every text drawn, with its box and the fill under it when there is one (what the tests and
-    // the node's layout checks read: nothing may be cut or drawn under the buttons)
-    texts: [],
-    bars: [],
-    font: (size, weight = 400) => `${weight} ${size}px ${theme.font}`,
-    text(s, x, y, color, font, align = "left", bg = null, kind = null) {
-      if (!paint) return;
-      ctx.font = font;
-      ctx.fillStyle = color;
-      ctx.textAlign = align;
-      ctx.textBaseline = "middle";
-      ctx.fillText(s, x, y);
-      const w = ctx.measureText(s).width;
-      const left = align === "center" ? x - w / 2 : align === "right" ? x - w : x;
-      const size = Number(/(\d+(?:\.\d+)?)px/.exec(font)?.[1] ?? 12);
-      this.texts.push({ text: String(s), x: left, y: y - size / 2, w, h: size, color, size, bg, kind });
-    },
-    rect(x, y, w, h, color) {
-      if (!paint || w <= 0 || h <= 0) return;
-      ctx.fillStyle = color;
-      ctx.fillRect(x, y, w, h);
-    },
-    tip(x, y, w, h, tip) {
-      this.regions.push({ x, y, w, h, tip });
-    },
-  };
-}
 
 /**
  * Lays out and (when `paint`) draws the payload at css width W. Returns the height used and
