@@ -29,7 +29,11 @@ What the simulated accelerator in the tests cannot tell:
   ``compiler``: a Qwen-Image-2.1-shaped model under the host's model compiler (ComfyUI 0.38+
   named by ``COMFYUI_PATH``), in a fresh process: no recording begun while VRAMCut runs it, the
   same measured peaks as with the compiler off (``bench/gpu_compiler_check.py``; elsewhere
-  "skipped: host has no compiler").
+  "skipped: host has no compiler");
+  ``file_backed``: a transformer mapped from a safetensors file (fast-disk loading) streamed with
+  the mapped tensors as masters through the page-locked window, and from RAM with flat masters:
+  bit-equal both ways, no flat master and no more page-locked than the window with it, the time
+  per forward of each (``bench/gpu_file_backed_check.py``).
 
 ``--dry`` runs on CPU: imports everything and prints the same keys, every figure null or
 "not measured". Nothing here is a figure until it has run on a GPU.
@@ -54,6 +58,7 @@ for p in (ROOT, HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "
 import torch  # noqa: E402
 
 import gpu_compiler_check  # noqa: E402
+import gpu_file_backed_check  # noqa: E402
 import toys  # noqa: E402
 from vramcut_core import Engine, EngineConfig  # noqa: E402
 from vramcut_core.runtime import host_memory as ex  # noqa: E402
@@ -62,7 +67,7 @@ NOT = "not measured"
 GB = 1 << 30
 ALLOCATORS = {"native": "", "cudaMallocAsync": "backend:cudaMallocAsync"}
 MODELS = ("transformer", "unet", "subclass", "flux_shaped")
-CHECKS = ("kitchen", "replan", "teardown", "alternating", "second_gpu", "compiler")
+CHECKS = ("kitchen", "replan", "teardown", "alternating", "second_gpu", "compiler", "file_backed")
 
 
 def _rss() -> int | None:
@@ -418,7 +423,8 @@ def round2(dev) -> dict:
     out = {}
     for name, fn in (("kitchen", lambda: check_kitchen(dev)), ("replan", lambda: check_replan(dev)),
                      ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
-                     ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check)):
+                     ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check),
+                     ("file_backed", lambda: gpu_file_backed_check.check(dev))):
         try:
             with torch.no_grad():
                 out[name] = _say(name, fn())
