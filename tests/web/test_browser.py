@@ -1036,9 +1036,12 @@ def test_refusal_is_the_node_state(comfy_server, browser):
         (x := _node_state(browser, cut)["data"]).get("state") == "refused" and int(x.get("drawn", 0)) > 0 and x))
     fix = re.match(r"Set max_vram_gb (to|to at least|above) (\d+\.\d+)\.$", d.get("fix", ""))
     assert fix, d
-    # one number: the error's own text names the same budget
+    # one number: the error's own text names the same budget, and says "at least" only when it does
     named = re.findall(r"max_vram_gb that works for this shape is (?:at least |about )?(\d+\.\d+)", d["message"])
     assert not named or named == [fix.group(2)], (d["fix"], d["message"])
+    exact = "the smallest max_vram_gb that works for this shape is" in d["message"]
+    assert exact, d["message"]   # a traced VAE decode: the smallest budget, not a lower bound
+    assert fix.group(1) == "to", f"the fix says {fix.group(1)!r} where the message names the smallest budget"
     (line,) = d["answers"].split("\n")
     assert line.startswith(f"refused · needs {fix.group(2)} / "), line
     _close_error_dialog(browser)

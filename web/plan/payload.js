@@ -1,6 +1,7 @@
 // The plan as Python sent it: one reading of the payload that every other room draws from.
 //
-// PAYLOAD = {budget_bytes, enabled, message, message_level?, min_budget_bytes?, need_bytes?,
+// PAYLOAD = {budget_bytes, enabled, message, message_level?, min_budget_bytes?, min_budget_exact?,
+//            need_bytes?,
 //            models: [{kind, label, stage ("weights" | "traced" | "measured"), traced_at? (the
 //            preview's shape, with stage "traced"), signature, warnings, text, refused?, plan: {budget_bytes,
 //            peak_bytes, streamed_bytes_per_forward, transfers_per_forward, resident_bytes,
@@ -44,6 +45,7 @@ export function normalizePayload(p) {
     message: p.message ? String(p.message) : null,
     message_level: p.message_level === "notice" ? "notice" : "error",
     min_budget_bytes: positive(p.min_budget_bytes),
+    min_budget_exact: p.min_budget_exact === true,  // the smallest that works, not a lower bound
     need_bytes: positive(p.need_bytes),
     models,
   };
