@@ -424,7 +424,7 @@ def round2(dev) -> dict:
     for name, fn in (("kitchen", lambda: check_kitchen(dev)), ("replan", lambda: check_replan(dev)),
                      ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
                      ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check),
-                     ("file_backed", lambda: gpu_file_backed_check.check(dev))):
+                     ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream))):
         try:
             with torch.no_grad():
                 out[name] = _say(name, fn())

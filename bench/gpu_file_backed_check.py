@@ -29,34 +29,11 @@ for p in (ROOT, os.path.join(ROOT, "tests", "core")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import safetensors  # noqa: E402
-import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
 import toys  # noqa: E402
 from vramcut_core import Engine, EngineConfig  # noqa: E402
 from vramcut_core.runtime import host_memory as hm  # noqa: E402
-
-
-def _mapped(src: torch.nn.Module, build, folder: str) -> torch.nn.Module:
-    path = os.path.join(folder, "model.safetensors")
-    safetensors.torch.save_file({k: v.detach().contiguous() for k, v in src.state_dict().items()}, path)
-    with safetensors.safe_open(path, framework="pt") as f:
-        sd = {k: f.get_tensor(k) for k in f.keys()}
-    model = build().eval()
-    model.load_state_dict(sd, assign=True)
-    return model
-
-
-def _budget(src, x, dev) -> int:
-    """About half the weights streamed (activations measured first, on the copy in RAM: a probe's
-    flat masters would take the mapped tensors' place)."""
-    probe = Engine(src, EngineConfig(budget_bytes=1 << 40, device=str(dev)))
-    probe.run(src, *x)
-    probe.release()
-    p = probe.last_plan
-    weights = sum(u.weight_bytes for u in p.units)
-    return max(weights // 2, 3 * max(u.weight_bytes for u in p.units)) + p.activation_reserve_bytes
 
 
 def _sync(dev) -> None:
@@ -83,9 +60,12 @@ def _run(model, x, ref, dev, budget, keep: bool, forwards: int) -> dict:
             "streamed_bytes_per_forward": eng.last_plan.streamed_bytes_per_forward}
 
 
-def check(dev, d: int = 1024, depth: int = 8, tokens: int = 256, forwards: int = 4,
+def check(dev, budget_to_stream, d: int = 1024, depth: int = 8, tokens: int = 256, forwards: int = 4,
           inputs_on: torch.device | None = None, host=None) -> dict:
-    """Both ways on ``dev``; ``host`` is a context for building host tensors (the simulator's)."""
+    """Both ways on ``dev`` under ``budget_to_stream(model, inputs, dev)`` (``gpu_check``'s: about
+    half the weights streamed, measured on the copy in RAM, as a probe's flat masters would take
+    the mapped tensors' place); ``host`` is a context for building host tensors (the
+    simulator's)."""
     host = host or contextlib.nullcontext
     place = inputs_on if inputs_on is not None else dev
 
@@ -94,14 +74,14 @@ def check(dev, d: int = 1024, depth: int = 8, tokens: int = 256, forwards: int =
 
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
         with host():
-            src = toys.seeded(build()).eval()
+            src = toys.seeded(build())
             x = (torch.randint(0, 50, (2, tokens), generator=torch.Generator().manual_seed(0)),)
-            mapped = _mapped(src, build, folder)
+            mapped = toys.map_from_file(toys.seeded(build()), folder)
             where = {k: t.data_ptr() for k, t in mapped.state_dict(keep_vars=True).items()}
         x = tuple(a.to(place) for a in x)
         ref = src.to(place)(*x)
         src.to("cpu")
-        budget = _budget(src, x, dev)
+        budget = budget_to_stream(src, x, dev)
         window = _run(mapped, x, ref, dev, budget, True, forwards)
         flat = _run(src, x, ref, dev, budget, False, forwards)
         kept = where == {k: t.data_ptr() for k, t in mapped.state_dict(keep_vars=True).items()}

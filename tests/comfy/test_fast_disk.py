@@ -7,11 +7,11 @@ branch) is ``tests/core/test_file_backed.py``."""
 from __future__ import annotations
 
 import pytest
-import safetensors.torch
 import torch
 
 import tiny_models as tm
 from newest_host import newest_patcher_class as _newest_patcher_class
+from toys import map_from_file
 
 LATENT = (1, 16, 8, 8)
 
@@ -20,11 +20,7 @@ def _file_backed_sd3(tmp_path):
     """A tiny SD3 loaded by the host, its weights then assigned from a safetensors file of
     themselves: every tensor mapped from the file, as the host keeps a file-backed model."""
     model = tm.load_tiny_sd3(depth=2)
-    dm = model.model.diffusion_model
-    path = str(tmp_path / "tiny_sd3.safetensors")
-    safetensors.torch.save_file({k: v.detach().contiguous() for k, v in dm.state_dict().items()}, path)
-    with safetensors.safe_open(path, framework="pt") as f:
-        dm.load_state_dict({k: f.get_tensor(k) for k in f.keys()}, assign=True)
+    map_from_file(model.model.diffusion_model, str(tmp_path))
     return model
 
 

@@ -8,36 +8,20 @@ from __future__ import annotations
 import gc
 
 import pytest
-import safetensors.torch
 import torch
 
 import test_executor
 from test_executor import ids
 from test_sim_cuda import budget_for, cuda_engine, sim  # noqa: F401
-from toys import FluxLike, TransformerStack, seeded
+from toys import FluxLike, TransformerStack, map_from_file, seeded
 from vramcut_core import Engine, EngineConfig
 from vramcut_core.runtime import host_memory as hm
-
-
-def _save_and_map(model: torch.nn.Module, tmp_path, fmt: str) -> dict:
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if fmt == "safetensors":
-        path = str(tmp_path / "model.safetensors")
-        safetensors.torch.save_file(sd, path)
-        with safetensors.safe_open(path, framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    path = str(tmp_path / "model.pt")
-    torch.save(sd, path)
-    return torch.load(path, mmap=True, weights_only=True)
 
 
 def mapped(build, tmp_path, fmt="safetensors"):
     """A seeded toy whose every weight is a tensor mapped from a checkpoint file (loaded with
     ``assign``, as a host keeps a file-backed model)."""
-    sd = _save_and_map(seeded(build()), tmp_path, fmt)
-    model = build().eval()
-    model.load_state_dict(sd, assign=True)
-    return model
+    return map_from_file(seeded(build()), str(tmp_path), fmt)
 
 
 def sim_budget(sim, build, *args):

@@ -42,6 +42,7 @@ def test_file_backed_check_runs_on_the_simulated_accelerator(monkeypatch):
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_check
     import gpu_file_backed_check as fb
     from sim_cuda import simulated_cuda
     from vramcut_core.runtime import host_memory as hm
@@ -50,7 +51,7 @@ def test_file_backed_check_runs_on_the_simulated_accelerator(monkeypatch):
     monkeypatch.setattr(hm.PINNED, "cap", -1)
     monkeypatch.setattr(hm, "_WINDOW", None)
     with simulated_cuda(monkeypatch) as sim:
-        res = fb.check(torch.device("cuda"), d=64, depth=4, tokens=16, forwards=3,
+        res = fb.check(torch.device("cuda"), gpu_check._budget_to_stream, d=64, depth=4, tokens=16, forwards=3,
                        inputs_on=torch.device("cpu"), host=sim.host_memory)
         gc.collect()
     assert not sim.hazards, sim.hazards[:5]

@@ -14,6 +14,29 @@ def seeded(m: nn.Module, seed: int = 0) -> nn.Module:
     return m.eval()
 
 
+def map_from_file(m: nn.Module, folder: str, fmt: str = "safetensors") -> nn.Module:
+    """``m`` with every tensor of its state dict replaced (``assign``) by one mapped from a
+    checkpoint of itself written into ``folder``, as a host keeps a model it streams from a fast
+    disk: ``safetensors`` (``safe_open``) or ``torch_mmap`` (``torch.load(mmap=True)``)."""
+    import os
+
+    import safetensors
+    import safetensors.torch
+
+    sd = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
+    if fmt == "safetensors":
+        path = os.path.join(folder, "model.safetensors")
+        safetensors.torch.save_file(sd, path)
+        with safetensors.safe_open(path, framework="pt") as f:
+            mapped = {k: f.get_tensor(k) for k in f.keys()}
+    else:
+        path = os.path.join(folder, "model.pt")
+        torch.save(sd, path)
+        mapped = torch.load(path, mmap=True, weights_only=True)
+    m.load_state_dict(mapped, assign=True)
+    return m
+
+
 class MLPBlock(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
