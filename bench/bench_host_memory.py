@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import importlib.util
 import json
 import os
@@ -144,14 +145,14 @@ def one(scenario: str, pack_dir: str, depth: int) -> dict:
 
 def one_disk(scenario: str, pack_dir: str, depth: int, where: str) -> dict:
     """A fast-disk scenario (see the module docstring)."""
-    sys.path[:0] = [os.path.join(REPO, "tests"), REPO]
+    sys.path[:0] = [os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "core"), REPO]
     import tempfile
 
     import pytest
-    import safetensors.torch
     import torch
     import tiny_models as tm
     from sim_cuda import simulated_cuda
+    from toys import map_from_file
 
     torch.set_num_threads(1)
     tm.import_comfy()
@@ -161,11 +162,8 @@ def one_disk(scenario: str, pack_dir: str, depth: int, where: str) -> dict:
     dm = model.model.diffusion_model
     weights = sum(p.numel() * p.element_size() for p in dm.parameters())
     with tempfile.TemporaryDirectory(dir=where) as tmp:
-        path = os.path.join(tmp, "model.safetensors")
-        safetensors.torch.save_file({k: v.detach().contiguous() for k, v in dm.state_dict().items()}, path)
-        with safetensors.safe_open(path, framework="pt") as f:
-            dm.load_state_dict({k: f.get_tensor(k) for k in f.keys()}, assign=True)
-        gc_collect()
+        map_from_file(dm, tmp)
+        gc.collect()
         g = torch.Generator().manual_seed(0)
         x, t = torch.randn(1, 16, 16, 16, generator=g), torch.rand(1, generator=g)
         kw = dict(context=torch.randn(1, 8, 32, generator=g), y=torch.randn(1, 32, generator=g))
@@ -187,7 +185,7 @@ def one_disk(scenario: str, pack_dir: str, depth: int, where: str) -> dict:
                         out["streamed_units"] = len(eng.last_plan.streamed_order)
                         out["pinned_bytes"] = core.executor.PINNED.bytes
                         out["masters"] = len(eng.executor.masters.masters)
-                        gc_collect()
+                        gc.collect()
                         out.update({f"run_{k}": v for k, v in rss_split().items()})
                 finally:
                     mp.undo()
@@ -195,11 +193,6 @@ def one_disk(scenario: str, pack_dir: str, depth: int, where: str) -> dict:
             out.update({f"run_{k}": v for k, v in rss_split().items()})
         out["file_backed_after"] = all(core.runtime.host_memory.file_backed(list(dm.state_dict().values())))
     return out
-
-
-def gc_collect() -> None:
-    import gc
-    gc.collect()
 
 
 def main(argv=None) -> int:
