@@ -181,7 +181,7 @@ class SegmentedExecutor:
         try:
             self._release_others()
             if self.cuda:
-                start_ev = ms.start_cuda(measure or plan is not self._last_plan)
+                start_ev = ms.start_cuda()
             self._last_plan = self._plan = plan
             resumed = self.binding.resume(plan, not measure and not self._stale_copies)
             if not resumed:
