@@ -166,6 +166,7 @@ class PatchState:
         self.fast_disk = False   # the host streams the model from a fast disk: keep file-backed masters
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
         self.teardown_pending = False  # the host tore the model down during a forward: release after it
+        self._after_forward: list = []  # what the host's teardown left for the end of the running forward
         self.previewing = False  # a plan preview: calls reaching ``run`` give their traced plan, nothing runs
 
     def on_model_patcher_clone(self):
@@ -219,6 +220,10 @@ class PatchState:
             return False
         self.release()
         return True
+
+    def after_forward(self, fn) -> None:
+        """Call ``fn()`` once no forward runs any more (after the engines let go of the weights)."""
+        self._after_forward.append(fn)
 
     def outside(self, path: str) -> None:
         """Say on the node (and once in the log) that a call path runs outside the budget."""
@@ -293,6 +298,11 @@ class PatchState:
             if self.teardown_pending and not self.running:
                 self.teardown_pending = False
                 self.release()
+            if self._after_forward and not self.running:
+                self.release()  # the host's own tensors again, and no copy still reading them
+                todo, self._after_forward = self._after_forward, []
+                for fn in todo:
+                    fn()
 
 
 @contextlib.contextmanager
