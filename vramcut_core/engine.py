@@ -89,6 +89,7 @@ class Engine:
                                           track_cpu_memory=config.track_cpu_memory, module=module,
                                           keep_file_backed=config.keep_file_backed)
         self.planner.unit_bytes = self.executor.unit_device_bytes
+        self.planner.block_bytes = self.executor.memory.block_bytes
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
         self._failed: dict[tuple, BudgetError] = {}

@@ -117,6 +117,8 @@ class Segment:
 class PlanOptions:
     prefetch: bool = True   # two streaming slots: the next unit is copied while one computes
     residency: bool = True  # keep as many units resident as fit
+    block_bytes: int = 1    # the device allocator's block size: a grown slot is a multiple of it
+                            # (unit figures come rounded), so the plan's figures are the allocator's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +326,7 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
     if not base:
         return resident, slots, 0  # nothing a forward enters streams
     grown = min(int(spare * WINDOW_SHARE), (room + slots * suffix[best]) // slots)
+    grown -= grown % options.block_bytes
     return resident, slots, max(base, grown)
 
 

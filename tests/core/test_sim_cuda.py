@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from sim_cuda import PendingCudaError, simulated_cuda
+from sim_cuda import ROUND, PendingCudaError, simulated_cuda
 from test_executor import cases, ids
 from toys import Boom, ExplodingStack, FluxLike, TransformerStack, seeded
 from vramcut_core import Engine, EngineConfig, find_units
@@ -85,11 +85,10 @@ def cuda_engine(model, budget, **kw):
 
 
 def reserved_peak_within(sim, budget, base, held=()):
-    """Reserved bytes over the run, plan switches included, within the budget. The simulated
-    allocator rounds each block up to 16 B (the plan counts exact bytes): that much slack per
-    block in use at the peak; and outputs the caller keeps from earlier forwards are its own
-    memory (they can leave a hole below the next forward's blocks)."""
-    slack = 16 * sim.alloc.at_peak_blocks + sum(o.untyped_storage().nbytes() for o in held)
+    """Reserved bytes over the run, plan switches included, within the budget (the plan counts
+    the allocator's rounding); outputs the caller keeps from earlier forwards are its own memory
+    (they can leave a hole below the next forward's blocks)."""
+    slack = sum(-(-o.untyped_storage().nbytes() // ROUND) * ROUND for o in held)  # (as the allocator counts them)
     assert sim.alloc.max_reserved - base <= budget + slack, \
         f"reserved peak {sim.alloc.max_reserved - base} B over the {budget} B budget; at the peak: {sim.alloc.at_peak}"
 

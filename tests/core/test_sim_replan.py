@@ -78,3 +78,36 @@ def test_a_steady_forward_over_the_budget_replans_once_and_later_ones_fit(sim, c
     # forward 5 measures, forward 6 switches to the new plan; then steady steps again
     assert syncs[1:3] == [0, 0] and syncs[6:] == [0, 0, 0], syncs
     assert caches[1:3] == [0, 0] and caches[6:] == [0, 0, 0], caches
+
+
+def test_plan_figures_are_the_allocators_rounded_figures(sim):
+    """The plan counts each buffer as the caching allocator rounds it: the weights a plan
+    promises are the bytes the allocator reports for the executor's buffers, and a unit's figure
+    is its rounded flat buffer (here no unit is a multiple of the allocator's block)."""
+    from vramcut_core.runtime.device_memory import alloc_size
+
+    with sim.host_memory():
+        model = seeded(GrowingStack(d=18, depth=6))  # 18-wide layers: sizes off the 512 B grid
+        x = ids()
+    with torch.no_grad():
+        eng = cuda_engine(model, budget_for(model, x, share=0.6))
+        with eng.session():
+            eng.run(model, x)
+            eng.run(model, x)
+            gc_before = sim.alloc.allocated
+            plan = eng.last_plan
+            assert plan.slots and plan.resident_units, "the scenario streams and keeps some resident"
+            assert eng.executor.device_bytes == plan.resident_bytes + plan.window_bytes
+            lays = {n: eng.executor.layout(n).nbytes for n in [u.name for u in plan.units]}
+            assert any(n % 512 for n in lays.values())
+            assert all(u.weight_bytes == alloc_size(lays[u.name]) for u in plan.units)
+        assert gc_before - sim.alloc.allocated == plan.resident_bytes + plan.window_bytes, \
+            "the allocator frees exactly the bytes the plan counted"
+    for n in (1, 512, 513, 1 << 20, (10 << 20) + 1):  # a large buffer: a segment of its own, 2 MiB-rounded
+        before = sim.alloc.reserved
+        t = torch.empty(n, dtype=torch.uint8)
+        assert sim.alloc.reserved - before <= alloc_size(n)
+        if n >= 10 << 20:
+            assert sim.alloc.reserved - before == alloc_size(n) == 12 << 20
+        del t
+        sim.alloc.empty_cache()
