@@ -100,6 +100,9 @@ class PlanUnit:
     pinned: bool = False
     entered: bool = True
     calls: int = 1  # times a forward enters it; a streamed unit is copied that often
+    # seconds of compute per forward, all passes together; None when not known (then residency
+    # is chosen by bytes, never by time: see ``timeline``)
+    compute_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
