@@ -109,7 +109,8 @@ def test_time_chosen_is_never_slower_than_as_many_as_fit(rows, budget_mb, prefet
     if not count.streamed_order:
         return
     timed = by_time(count, 1e9, opts, overlap=overlap)
-    assert step_time(timed, 1e9, overlap) <= step_time(count, 1e9, overlap)
+    # never slower (equal times within float rounding: a tie keeps the plan streaming fewer bytes)
+    assert step_time(timed, 1e9, overlap) <= step_time(count, 1e9, overlap) * (1 + 1e-9)
     assert timed.peak_bytes <= budget_mb * MB
     assert set(count.resident_units) >= {u.name for u in units if u.pinned}
     assert set(timed.resident_units) >= {u.name for u in units if u.pinned}
