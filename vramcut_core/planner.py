@@ -145,17 +145,19 @@ class UnitPlanner:
     def aggregate(self, meas: dict[str, UnitMeasurement]) -> dict[str, UnitMeasurement]:
         """Measurements of the parts of a finer cut, as the units they were cut from (in the
         order the forward entered them): the plan starts from whole units and cuts again only
-        where the budget needs it."""
+        where the budget needs it. A unit's FLOPs are its parts' summed (None when a part's are
+        not known: a partial count would make the unit look faster than it is)."""
         out: dict[str, UnitMeasurement] = {}
         for n, m in meas.items():
             t = self.top(n)
             a = out.get(t)
             if a is None:
-                out[t] = UnitMeasurement(m.entry_bytes, m.peak_bytes, m.calls, m.modules)
+                out[t] = UnitMeasurement(m.entry_bytes, m.peak_bytes, m.calls, m.modules, m.flops)
             else:
                 a.peak_bytes = max(a.peak_bytes, m.peak_bytes)
                 a.calls = max(a.calls, m.calls)
                 a.modules = a.modules | m.modules
+                a.flops = None if a.flops is None or m.flops is None else a.flops + m.flops
         return out
 
     def measured_plan(self, meas: dict[str, UnitMeasurement], source: str) -> Plan:
