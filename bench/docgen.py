@@ -24,8 +24,10 @@ def _commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        # the generated pages themselves do not count: they are being written
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!docs", ":!README.md"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return head + (" with uncommitted changes" if dirty else "")
