@@ -36,7 +36,12 @@ What the simulated accelerator in the tests cannot tell:
   ``file_backed``: a transformer mapped from a safetensors file (fast-disk loading) streamed with
   the mapped tensors as masters through the page-locked window, and from RAM with flat masters:
   bit-equal both ways, no flat master and no more page-locked than the window with it, the time
-  per forward of each (``bench/gpu_file_backed_check.py``).
+  per forward of each (``bench/gpu_file_backed_check.py``);
+  ``detach``: a detach during sampling on a host that page-locks the offloaded weights itself
+  (ComfyUI 0.33+ found as the tests find it), in a fresh process: the host detaches the patched
+  model from inside a forward, then unloads every model: nothing of the model left page-locked by
+  the host, no "Tried to unpin tensor not pinned by ComfyUI" warning, the next run bit-equal to
+  the first (``bench/gpu_detach_check.py``; without such a host "skipped: ..." and why).
 
 ``--dry`` runs on CPU: imports everything and prints the same keys, every figure null or
 "not measured". Nothing here is a figure until it has run on a GPU.
@@ -62,6 +67,7 @@ for p in (ROOT, HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "
 import torch  # noqa: E402
 
 import gpu_compiler_check  # noqa: E402
+import gpu_detach_check  # noqa: E402
 import gpu_file_backed_check  # noqa: E402
 import toys  # noqa: E402
 from vramcut_core import Engine, EngineConfig  # noqa: E402
@@ -71,7 +77,8 @@ NOT = "not measured"
 GB = 1 << 30
 ALLOCATORS = {"native": "", "cudaMallocAsync": "backend:cudaMallocAsync"}
 MODELS = ("transformer", "unet", "subclass", "flux_shaped")
-CHECKS = ("kitchen", "replan", "outgrow", "teardown", "alternating", "second_gpu", "compiler", "file_backed")
+CHECKS = ("kitchen", "replan", "outgrow", "teardown", "alternating", "second_gpu", "compiler", "file_backed",
+          "detach")
 
 
 def _rss() -> int | None:
@@ -480,7 +487,8 @@ def round2(dev) -> dict:
                      ("outgrow", lambda: check_outgrow(dev)),
                      ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
                      ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check),
-                     ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream))):
+                     ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream)),
+                     ("detach", gpu_detach_check.check)):
         try:
             with torch.no_grad():
                 out[name] = _say(name, fn())

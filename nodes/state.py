@@ -59,7 +59,8 @@ class Settings:
 
     @property
     def enabled(self) -> bool:
-        return self.budget_mode != "fixed" or self.max_vram_gb > 0
+        """0 turns VRAMCut off in both modes; with 'free VRAM minus reserve', max_vram_gb caps."""
+        return self.max_vram_gb > 0
 
     def budget_bytes(self, device: torch.device, free_memory=None) -> int:
         """The budget in bytes on ``device``: fixed, or the device's free memory less the reserve.
@@ -70,11 +71,10 @@ class Settings:
         else:
             free = int((free_memory or mm.get_free_memory)(device))
             b = free - int(self.reserve_gb * GIB)
-            if self.max_vram_gb > 0:
-                b = min(b, int(self.max_vram_gb * GIB))
             if b <= 0:
                 raise VRAMCutError(f"free VRAM {fmt_bytes(free)} minus reserve {self.reserve_gb} GiB leaves no budget")
-        if b <= 0 and self.budget_mode == "fixed" and self.max_vram_gb > 0:
+            b = min(b, int(self.max_vram_gb * GIB))  # max_vram_gb caps it (0 is off: never here)
+        if b <= 0 and self.max_vram_gb > 0:
             raise VRAMCutError(f"max_vram_gb = {self.max_vram_gb:g} is less than one byte: give the budget in "
                                f"GiB (6 means 6 GiB), or 0 to turn VRAMCut off")
         if b <= 0:

@@ -111,7 +111,7 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
         # The alias guard the CPU meter needs for GGUF weights (see measure._PlainAlias).
         _active.depth = getattr(_active, "depth", 0) + 1
         try:
-            with mode, _PlainAlias(), tracker, flops:
+            with mode, _PlainAlias(), flops, tracker:
                 root()
         finally:
             _active.depth -= 1

@@ -24,7 +24,7 @@ def test_gpu_check_dry_prints_every_key_and_no_figure():
     assert res["dry"] is True and res["device"] is None
     assert set(res) >= {"register", "bandwidth", "sanitizer", "forwards", "sessions", "offload", "checks"}
     assert set(res["checks"]) == {"kitchen", "replan", "outgrow", "teardown", "alternating", "second_gpu", "compiler",
-                                  "file_backed"}
+                                  "file_backed", "detach"}
     assert set(res["register"]) == {"registered", "register_s_per_gb", "unregister_s_per_gb",
                                     "failed_register_leaves_pending_error", "executor_clears_it"}
     assert set(res["sanitizer"]) == {"native", "cudaMallocAsync"}
@@ -79,3 +79,16 @@ def test_outgrow_check_runs_on_the_simulated_accelerator(monkeypatch):
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res
     assert res["over_budget_forwards"] == 1
+
+
+def test_detach_check_without_a_host_says_it_was_skipped_and_why(monkeypatch, tmp_path):
+    """No ComfyUI host (``COMFYUI_PATH`` naming a folder without one): the ``detach`` check does
+    not fail, it says it was skipped and why (its run on the simulated accelerator with the host's
+    own pinning is tests/comfy/test_gpu_detach_check.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_detach_check
+
+    monkeypatch.setenv("COMFYUI_PATH", str(tmp_path))
+    res = gpu_detach_check.check()
+    assert res["ok"] is None, res
+    assert res["why"].startswith("skipped: no ComfyUI host"), res
