@@ -17,9 +17,9 @@ import comfy.model_patcher
 from comfy.patcher_extension import WrappersMP
 
 from ..vramcut_core import find_units
-from . import streams
 from .compiler import compiler_off
-from .host import plain_patcher, to_vramcut_patcher
+from .gpu import held_bytes
+from .patcher import plain_patcher, to_vramcut_patcher
 from .state import KEY, NodeReport, PatchState, Settings, VRAMCutError
 
 
@@ -67,7 +67,7 @@ class _CondBatchWrapper:
         self.state = state
 
     def __call__(self, executor, model, *args, **kwargs):
-        held = streams.held_bytes(self.state)
+        held = held_bytes(self.state)
         if not held:
             return executor(model, *args, **kwargs)
         less = held / 1.5
@@ -239,7 +239,7 @@ class VRAMCutVAE(comfy.sd.VAE):
 
         def make(orig):
             def call(*a, **kw):
-                if engine.executor.running:  # an entry point calling another (decode_tiled -> decode)
+                if engine.running:  # an entry point calling another (decode_tiled -> decode)
                     return orig(*a, **kw)
                 return state.run(engine, orig, *a, patcher=patcher, **kw)
             return call

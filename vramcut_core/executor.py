@@ -71,7 +71,7 @@ from .plan import Plan
 from .report import RunStats
 from .runtime.binding import Binding
 from .runtime.device_memory import DeviceCopy, DeviceMemory, Slot
-from .runtime.host_memory import PINNED, HostMasters  # noqa: F401  (PINNED: callers read the ledger here)
+from .runtime.host_memory import PINNED, HostMasters
 from .runtime.layout import Layout
 from .runtime.measuring import Measuring
 from .runtime.transfers import Transfers
@@ -82,7 +82,7 @@ _EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.We
 
 
 def _delegate(room: str, attr: str, doc: str) -> property:
-    """An attribute callers set on the executor that belongs to one of its rooms."""
+    """An attribute of the executor that belongs to one of its rooms."""
     return property(lambda self: getattr(getattr(self, room), attr),
                     lambda self, v: setattr(getattr(self, room), attr, v), doc=doc)
 
@@ -98,22 +98,25 @@ class SegmentedExecutor:
 
     device_bytes = _delegate("memory", "bytes", "Device bytes the executor holds now.")
     peak_weight_bytes = _delegate("memory", "peak", "This forward's peak of device bytes held.")
-    alloc_context = _delegate("memory", "alloc_context", "Entered around every device allocation of a forward.")
-    reader_streams = _delegate("transfers", "reader_streams", "The host's streams that read swapped-in weights.")
 
     def __init__(self, units: Callable[[str], Unit], device: torch.device | str,
                  pin_memory: bool | None = None, track_cpu_memory: bool = False,
-                 module: nn.Module | None = None, keep_file_backed: bool = False) -> None:
+                 module: nn.Module | None = None, keep_file_backed: bool = False,
+                 alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 reader_streams: Callable[[], list] | None = None,
+                 page_lock_room: Callable[[], int] | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._unit = units
         self.track_cpu_memory = track_cpu_memory  # meter every CPU forward (slow), not only measured ones
+        if page_lock_room is not None:
+            PINNED.room = page_lock_room  # the process's one ledger follows the host's limit
         # the rooms; each registers the finalizer for what it owns
-        self.memory = DeviceMemory(units, self.device)
+        self.memory = DeviceMemory(units, self.device, alloc_context)
         pin = self.cuda if pin_memory is None else (pin_memory and self.cuda)
         self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place, keep_file_backed)
         self.binding = Binding(units, self.memory.layout)
-        self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units)
+        self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units, reader_streams)
         self.hooks = UnitHooks(units, self)
         self.measuring = Measuring(self.device, self.memory, units)
         self._in_session = 0
@@ -358,7 +361,7 @@ class SegmentedExecutor:
         dc.patched = True
         # not paused for the meter: what the hook allocates (a merge's temporaries) is device
         # memory the unit's window really uses
-        with self.alloc_context():
+        with self.memory.alloc_context():
             self.on_loaded(self._unit(name))
 
     # -- held weights: an all-resident plan between forwards ---------------------------------

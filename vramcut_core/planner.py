@@ -25,10 +25,10 @@ from .units import Unit, UnitSet, find_units, split_unit
 
 
 class UnitPlanner:
-    def __init__(self, module: nn.Module, config, unit_bytes: Callable[[str], int] | None = None) -> None:
+    def __init__(self, module: nn.Module, config, unit_bytes: Callable[[str], int]) -> None:
         self.module = module
         self.config = config          # the engine's EngineConfig (replaced when the budget changes)
-        self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (set by the engine)
+        self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (the executor's layout)
         self.unitset: UnitSet = find_units(module, config.family)
         self.all: dict[str, Unit] = {}
         self.parent: dict[str, str] = {}

@@ -285,7 +285,7 @@ def test_quantized_model_samples_bit_exact_with_stored_bytes_in_budget(quantized
     assert not any("cannot be taken apart" in w for w in plan["warnings"]), plan["warnings"]
     # stored bytes: every unit's plan bytes are its parts, aligned, and no larger than its
     # stored size rounded up per tensor
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     (engine,) = state._engines.values()
     for u in engine.unitset.units:
         lay = engine.executor.layout(u.name)
@@ -418,7 +418,7 @@ def test_gguf_text_encoder_encodes_bit_exact_with_stored_bytes_in_budget(comfy, 
     assert plan["measured"] and plan["streamed_bytes_per_forward"] > 0
     assert not any("cannot be taken apart" in w for w in plan["warnings"]), plan["warnings"]
     assert plan["stats"]["peak_device_bytes"] <= plan["budget_bytes"], "measured peak over budget"
-    state = pack.nodes.host.state_of(patched.patcher)
+    state = pack.nodes.patcher.state_of(patched.patcher)
     (engine,) = state._engines.values()
     for u in engine.unitset.units:  # the stored bytes, one flat copy per unit
         assert engine.executor.layout(u.name).other == [], f"{u.name} has tensors moved one by one"

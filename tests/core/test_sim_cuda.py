@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from sim_cuda import PendingCudaError, simulated_cuda
 from test_executor import cases, ids
 from toys import Boom, ExplodingStack, FluxLike, TransformerStack, seeded
-from vramcut_core import Engine, EngineConfig, find_units
+from vramcut_core import Engine, EngineConfig, HostHooks, find_units
 from vramcut_core.runtime import device_memory, host_memory, transfers
 
 
@@ -57,8 +57,7 @@ def budget_for(model, *args, share=0.45, streams=None):
 def probe_plan(model, *args, streams=None):
     """The measured plan of one forward of ``args`` on the simulated device, everything fitting
     (its buffers given back)."""
-    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cuda"))
-    probe.order_streams(streams)
+    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cuda"), host=HostHooks(reader_streams=streams))
     with torch.no_grad():
         probe.run(model, *args)
     probe.release()
@@ -263,7 +262,7 @@ class HostCasts:
         return w, b
 
     def reader_streams(self):
-        """What the adapter hands the engine (nodes/streams.py): the host's streams, made first."""
+        """What the adapter hands the engine (nodes/gpu.py): the host's streams, made first."""
         if self.streams is None:
             self.get_offload_stream()
         return list(self.streams)
@@ -292,9 +291,8 @@ def _cast_run(sim, behaviour, ordered):
         # the host's casts allocate on its streams: room for them beside the window
         budget = budget_for(model, x, streams=host.reader_streams if ordered else None) + 4096
         host.casts_on_streams = 0
-        eng = cuda_engine(model, budget)
-        if ordered:
-            eng.order_streams(host.reader_streams)
+        eng = Engine(model, EngineConfig(budget_bytes=budget, device="cuda"),
+                     host=HostHooks(reader_streams=host.reader_streams if ordered else None))
         with eng.session():
             outs = [eng.run(model, x) for _ in range(3)]
     return host, outs, expect
@@ -532,16 +530,14 @@ def test_masters_built_in_inference_mode_are_not_inference_tensors(sim):
     assert out.requires_grad, "training after sampling still works"
 
 
-def test_activation_need_and_held_bytes(sim):
+def test_held_bytes(sim):
     with sim.host_memory():
         model = seeded(TransformerStack())
         x = ids()
     with torch.no_grad():
         eng = cuda_engine(model, budget_for(model, x))
-        assert eng.activation_need((x,)) is None
         with eng.session():
             eng.run(model, x)
-            assert eng.activation_need((x,)) == eng.last_plan.activation_reserve_bytes > 0
             eng.run(model, x)
             assert eng.held_bytes == eng.executor.device_bytes > 0
         assert eng.held_bytes == 0

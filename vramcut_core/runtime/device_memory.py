@@ -54,7 +54,8 @@ class Slot:
 class DeviceMemory:
     """The device buffers of one executor, and their accounting."""
 
-    def __init__(self, units: Callable[[str], Unit], device: torch.device) -> None:
+    def __init__(self, units: Callable[[str], Unit], device: torch.device,
+                 alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self._unit = units
         self.device = device
         self.cuda = device.type == "cuda"
@@ -66,9 +67,9 @@ class DeviceMemory:
         self.bytes = 0
         self.peak = 0
         # Entered around every allocation: the meter's pause (its own buffers are not
-        # activations) and the host's allocation context (set by the executor).
+        # activations) and the host's allocation context (``HostHooks.alloc_context``).
         self.pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        self.alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.alloc_context = alloc_context
         self.on_grow: Callable[[], None] | None = None  # a measuring forward's limit check
 
     def layout(self, name: str) -> Layout:

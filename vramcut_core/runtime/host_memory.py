@@ -48,8 +48,9 @@ def _physical_ram() -> int | None:
 
 
 class _PinLedger:
-    """Bytes the pack has page-locked in this process, against a cap; ``room`` (set by a host
-    that pins memory itself) says how many more bytes its own limit leaves for the pack."""
+    """Bytes the pack has page-locked in this process, against a cap; ``room`` (a host's
+    ``HostHooks.page_lock_room``, where the host page-locks memory itself) gives the bytes the
+    host's own limit leaves for everything the pack page-locks."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -86,7 +87,7 @@ class _PinLedger:
         cap = self.limit()
         if cap is not None and self.bytes + n > cap:
             return False
-        return self.room is None or n <= self.room()
+        return self.room is None or self.bytes + n <= self.room()
 
 
 PINNED = _PinLedger()

@@ -60,7 +60,7 @@ class Transfers:
     """The copies of one executor's units onto the device, and their ordering."""
 
     def __init__(self, device: torch.device, memory: DeviceMemory, masters: HostMasters,
-                 binding: Binding, units) -> None:
+                 binding: Binding, units, reader_streams: Callable[[], list] | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self._unit = units
@@ -72,8 +72,9 @@ class Transfers:
         self.stats = None                               # the running forward's RunStats
         self._staged_bytes = 0                          # page-locked staging of the transfer being issued
         # Other streams that read the weights while they are swapped in (the host's offload
-        # streams): each waits on the same copy events as the compute stream.
-        self.reader_streams: Callable[[], list] | None = None
+        # streams, ``HostHooks.reader_streams``): each waits on the same copy events as the
+        # compute stream.
+        self.reader_streams = reader_streams
         self.group_of: dict[str, tuple[str, ...]] = {}       # streamed unit -> its segment's units
         self.next: dict[str, tuple[str, ...] | None] = {}    # unit -> the streamed group to prefetch
         # Collected without release (an interrupted run, an engine replaced): the device buffers
