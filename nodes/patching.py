@@ -204,7 +204,7 @@ def patch_clip(clip, settings: Settings, report: NodeReport):
     base.__class__ = VRAMCutCLIP
     base._vramcut = state
     emb_paths = _input_embedding_units(base.cond_stage_model)
-    state.pinned = tuple(u.name for u in find_units(base.cond_stage_model).units
+    state.keep_resident = tuple(u.name for u in find_units(base.cond_stage_model).units
                          if any(p == q or p.startswith(q + ".") for p in emb_paths for q, _ in u.roots))
     engine = state.engine(base.cond_stage_model, base.patcher.load_device)
     report.set("CLIP", engine, engine.weight_plan())

@@ -153,8 +153,8 @@ class PatchState:
     """Shared by a patched object and all its clones (ComfyUI copies attachments by calling
     ``on_model_patcher_clone``). Owns one engine per module it runs."""
 
-    def __init__(self, kind: str, settings: Settings, report: NodeReport, pinned: tuple[str, ...] = ()) -> None:
-        self.kind, self.settings, self.report, self.pinned = kind, settings, report, pinned
+    def __init__(self, kind: str, settings: Settings, report: NodeReport, keep_resident: tuple[str, ...] = ()) -> None:
+        self.kind, self.settings, self.report, self.keep_resident = kind, settings, report, keep_resident
         self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
         self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
@@ -175,7 +175,7 @@ class PatchState:
         if eng is None or eng.device != dev:
             cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               pinned=self.pinned, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
+                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan),
                          host=host_hooks(dev))
             for w in eng.unitset.warnings:

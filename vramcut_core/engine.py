@@ -60,7 +60,7 @@ class EngineConfig:
     family: str | None = None
     prefetch: bool = True
     residency: bool = True
-    pinned: tuple[str, ...] = ()     # unit name patterns that must stay resident
+    keep_resident: tuple[str, ...] = ()  # unit name patterns that must stay resident
     track_cpu_memory: bool = False   # measure activations on every CPU forward, not only the first
     pin_memory: bool = True          # page-lock host masters (CUDA); off: plain pageable copies
     keep_file_backed: bool = False   # file-mapped weights stay their own masters (no flat host
@@ -201,8 +201,8 @@ class Engine:
             return (*self._measure(fn, args, kwargs), MEASURED)
         plan = self.planner.measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
         if self.executor.cuda:
-            pinned = self.planner.pinned_bytes()
-            return (*self._measure(fn, args, kwargs, self.config.budget_bytes - pinned - tr.peak_bytes), TRACED)
+            required = self.planner.keep_resident_bytes()
+            return (*self._measure(fn, args, kwargs, self.config.budget_bytes - required - tr.peak_bytes), TRACED)
         try:
             out, stats, meas = self.executor.forward(plan, fn, *args, measure=True,
                                                      limit_bytes=self.config.budget_bytes, **kwargs)

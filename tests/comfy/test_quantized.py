@@ -389,8 +389,8 @@ def tight_clip_budget(max_vram, c, tokens):
         probe.encode_from_tokens(tokens)
     plan_json = payload["models"][0]["plan"]
     units = plan_json["units"]
-    pinned = sum(u["weight_bytes"] for u in units if u["pinned"])
-    rest = max(u["weight_bytes"] for u in units if not u["pinned"])
+    pinned = sum(u["weight_bytes"] for u in units if u["keep_resident"])
+    rest = max(u["weight_bytes"] for u in units if not u["keep_resident"])
     return (pinned + 2.5 * rest + plan_json["activation_reserve_bytes"] + (64 << 10)) / GIB
 
 

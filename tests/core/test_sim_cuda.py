@@ -48,8 +48,8 @@ def assert_restored(model, snap, sim):
 def budget_for(model, *args, share=0.45, streams=None):
     """As tests/core/test_executor.py's, with the activations the simulated allocator measures."""
     us = find_units(model)
-    biggest = max(u.weight_bytes for u in us.units if not u.pinned)
-    pinned = sum(u.weight_bytes for u in us.units if u.pinned)
+    biggest = max(u.weight_bytes for u in us.units if not u.keep_resident)
+    pinned = sum(u.weight_bytes for u in us.units if u.keep_resident)
     act = probe_plan(model, *(args or (ids(),)), streams=streams).activation_reserve_bytes
     return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
 
@@ -679,8 +679,8 @@ def test_a_streamed_unit_with_no_plain_tensors_has_no_host_master(sim):
 def merging_budget(model, *args):
     """Residency off, and spare room for slots of two units or more (see plan.WINDOW_SHARE)."""
     p = probe_plan(model, *args)
-    biggest = max(u.weight_bytes for u in p.units if not u.pinned)
-    return sum(u.weight_bytes for u in p.units if u.pinned) + p.activation_reserve_bytes + 9 * biggest
+    biggest = max(u.weight_bytes for u in p.units if not u.keep_resident)
+    return sum(u.weight_bytes for u in p.units if u.keep_resident) + p.activation_reserve_bytes + 9 * biggest
 
 
 @pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])

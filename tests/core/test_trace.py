@@ -335,7 +335,7 @@ def test_a_preview_that_cannot_trace_says_why_and_leaves_nothing():
 def _random_units(rng):
     n = rng.randint(1, 9)
     return [PlanUnit(f"u{i}", rng.randint(1, 5000), rng.randint(0, 8000), 0,
-                     pinned=rng.random() < 0.1, entered=rng.random() > 0.1, calls=rng.choice([1, 1, 1, 3]))
+                     keep_resident=rng.random() < 0.1, entered=rng.random() > 0.1, calls=rng.choice([1, 1, 1, 3]))
             for i in range(n)]
 
 
