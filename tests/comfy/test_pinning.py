@@ -16,7 +16,7 @@ def host(comfy, pack, monkeypatch):
     import comfy.model_management as mm
     from comfy.cli_args import args
 
-    ledger = pack.vramcut_core.runtime.host_memory.PINNED
+    ledger = pack.vramcut_core.runtime.host_memory.PAGE_LOCKED
     monkeypatch.setattr(ledger, "room", None)
     monkeypatch.setattr(ledger, "bytes", 0)
     monkeypatch.setattr(ledger, "cap", -1)  # no RAM cap of the pack's own: the host's limit alone

@@ -148,8 +148,8 @@ def test_sim_catches_pending_register_error(sim, monkeypatch):
 
 
 def test_pinned_bytes_are_capped_and_registration_is_portable(sim, monkeypatch):
-    monkeypatch.setattr(host_memory.PINNED, "cap", 20_000)
-    monkeypatch.setattr(host_memory.PINNED, "bytes", 0)
+    monkeypatch.setattr(host_memory.PAGE_LOCKED, "cap", 20_000)
+    monkeypatch.setattr(host_memory.PAGE_LOCKED, "bytes", 0)
     with sim.host_memory(), torch.no_grad():
         model = seeded(TransformerStack())
         x = ids()
@@ -159,12 +159,12 @@ def test_pinned_bytes_are_capped_and_registration_is_portable(sim, monkeypatch):
         with eng.session():
             outs = [eng.run(model, x) for _ in range(2)]
         assert 0 < sum(size for size, _ in sim.registered.values()) <= 20_000
-        assert host_memory.PINNED.bytes <= 20_000
+        assert host_memory.PAGE_LOCKED.bytes <= 20_000
         assert all(flags & 1 for _, _, flags in sim.register_calls), "cudaHostRegisterPortable"
     assert all(torch.equal(o, ref) for o in outs)
     del eng
     gc.collect()
-    assert not sim.registered and host_memory.PINNED.bytes == 0
+    assert not sim.registered and host_memory.PAGE_LOCKED.bytes == 0
 
 
 def test_pageable_masters_copy_through_a_staging_buffer(sim):
