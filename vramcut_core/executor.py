@@ -162,7 +162,7 @@ class SegmentedExecutor:
             global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())
             out = fn(*args, **kwargs)
             ok = True
-            return out, stats, ms.finish(self._current)
+            return out, stats, ms.finish()
         except torch.OutOfMemoryError:
             if capped is None:
                 raise

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import quant
-from .measure import UnitMeasurement, _PlainAlias, record_entry
+from .measure import UnitMeasurement, UnitRecorder, _PlainAlias
 from .tensors import is_plain_tensor
 from .units import Unit
 
@@ -208,8 +208,9 @@ def _tracker_base():
 
 
 class _UnitTracker(_tracker_base()):
-    """MemTracker with the measuring forward's windows: live activation bytes (everything it
-    tracks but parameters and buffers) at each unit entry, and the most of them until the next.
+    """MemTracker feeding the measuring forward's ``UnitRecorder``: live activation bytes
+    (everything it tracks but parameters and buffers) at each unit entry, and the most of them
+    until the next.
 
     ``_update_peak_stats`` is MemTracker's per-operator callback; it is replaced whole because its
     per-module local peaks (a walk over every module at every operator) are not used here."""
@@ -217,10 +218,8 @@ class _UnitTracker(_tracker_base()):
     def __init__(self, dev: torch.device) -> None:
         super().__init__()
         self._dev_type = dev.type
-        self._meas: dict[str, UnitMeasurement] = {}
-        self._modules: set[int] = set()
-        self._current: str | None = None
-        self._window = 0
+        self.recorder = UnitRecorder()
+        self._unit_peak = 0   # the most live bytes since the running unit was entered
         self.forward_peak = 0
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
@@ -239,31 +238,23 @@ class _UnitTracker(_tracker_base()):
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 (MemTracker's signature)
         live = self._live()
-        if live > self._window:
-            self._window = live
+        if live > self._unit_peak:
+            self._unit_peak = live
         if live > self.forward_peak:
             self.forward_peak = live
 
     def enter(self, name: str, module: nn.Module) -> None:
-        self._modules.add(id(module))
-        if name == self._current:
+        rec = self.recorder
+        rec.saw(module)
+        if name == rec.current:
             return
-        self._close()
-        self._current = name
-        self._window = live = self._live()
-        record_entry(self._meas, name, live)  # as the executor's measuring forward records it
-
-    def _close(self) -> None:
-        if self._current is not None:
-            m = self._meas[self._current]
-            m.peak_bytes = max(m.peak_bytes, self._window)
+        rec.leave(self._unit_peak)
+        self._unit_peak = live = self._live()
+        rec.enter(name, live)
 
     def finish(self, units: Sequence[Unit]) -> dict[str, UnitMeasurement]:
-        self._close()
         by_name = {u.name: u for u in units}
-        for n, m in self._meas.items():  # in entry order
-            m.modules = frozenset(id(x) for x in by_name[n].hook_modules if id(x) in self._modules)
-        return dict(self._meas)
+        return self.recorder.finish(lambda n: by_name[n].hook_modules, self._unit_peak)
 
 
 class _ModuleState:
