@@ -153,9 +153,7 @@ class Engine:
             return
         self.executor.forget_units()
         if self.planner.refind():
-            self._plans.clear()
-            self._joined.clear()
-            self._failed.clear()
+            self._forget_plans()
             self.measurements.clear()
             self.traces.clear()
 
@@ -251,9 +249,13 @@ class Engine:
         for the old one are dropped; measurements stay."""
         if budget_bytes != self.config.budget_bytes:
             self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
-            self._plans.clear()
-            self._joined.clear()
-            self._failed.clear()
+            self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        """Drop the plans cached per signature, the shapes sharing them and the failures."""
+        self._plans.clear()
+        self._joined.clear()
+        self._failed.clear()
 
     def keep_buffers(self, keep: bool) -> None:
         """Hold device buffers between forwards (a host that ends runs with a callback)."""

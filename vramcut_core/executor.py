@@ -31,7 +31,6 @@ from .report import RunStats
 from .runtime.binding import Binding
 from .runtime.device_memory import DeviceCopy, DeviceMemory, Slot
 from .runtime.host_memory import PAGE_LOCKED, HostMasters
-from .runtime.layout import Layout
 from .runtime.measuring import Measuring
 from .runtime.transfers import Transfers
 from .runtime.unit_hooks import UnitHooks
@@ -244,9 +243,6 @@ class SegmentedExecutor:
         self.masters.forget()
         self.memory.forget_layouts()
 
-    def layout(self, name: str) -> Layout:
-        return self.memory.layout(name)
-
     def unit_device_bytes(self, name: str) -> int:
         return self.memory.unit_bytes(name)
 
@@ -271,7 +267,7 @@ class SegmentedExecutor:
         self._stale_copies = False
         while len(mem.slots) < plan.slots:
             mem.slots.append(Slot(mem.alloc(plan.slot_bytes)))
-        self.transfers.plan(plan)
+        self.transfers.use_plan(plan)
         self.binding.swap_in_buffers(mem, self._loaded)
         if (groups and plan.slots and mem.slot_of(groups[0][0]) is None
                 and mem.group_bytes(groups[0]) <= plan.slot_bytes):  # a measuring slot may not hold it

@@ -17,6 +17,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .tensors import is_plain_tensor
+
 
 
 def signature(args: tuple, kwargs: dict, max_depth: int = 4) -> tuple:
@@ -171,7 +173,7 @@ def _has_storage(a) -> bool:
     quantized weight whose bytes are its inner tensors, counted when they are created)."""
     if not isinstance(a, torch.Tensor) or a.is_meta or a.layout != torch.strided:
         return False
-    return type(a) in (torch.Tensor, torch.nn.Parameter) or not hasattr(a, "__tensor_flatten__")
+    return is_plain_tensor(a) or not hasattr(a, "__tensor_flatten__")
 
 
 class _LiveBytesMode(TorchDispatchMode):

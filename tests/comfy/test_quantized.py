@@ -288,7 +288,7 @@ def test_quantized_model_samples_bit_exact_with_stored_bytes_in_budget(quantized
     state = pack.nodes.patcher.state_of(patched)
     (engine,) = state._engines.values()
     for u in engine.unitset.units:
-        lay = engine.executor.layout(u.name)
+        lay = engine.executor.memory.layout(u.name)
         assert lay.other == [], f"{fmt}: {u.name} has tensors moved one by one"
         assert engine.executor.unit_device_bytes(u.name) <= u.weight_bytes + 256 * len(u.tensors) * 3
     stats = plan["stats"]
@@ -421,7 +421,7 @@ def test_gguf_text_encoder_encodes_bit_exact_with_stored_bytes_in_budget(comfy, 
     state = pack.nodes.patcher.state_of(patched.patcher)
     (engine,) = state._engines.values()
     for u in engine.unitset.units:  # the stored bytes, one flat copy per unit
-        assert engine.executor.layout(u.name).other == [], f"{u.name} has tensors moved one by one"
+        assert engine.executor.memory.layout(u.name).other == [], f"{u.name} has tensors moved one by one"
         assert engine.executor.unit_device_bytes(u.name) <= u.weight_bytes + 256 * len(u.tensors) * 3
     print(f"\nCLIP {qtype}: units {[(u.name, engine.executor.unit_device_bytes(u.name)) for u in engine.unitset.units]}"
           f" budget {plan['budget_bytes']} plan peak {plan['peak_bytes']}"

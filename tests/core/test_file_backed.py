@@ -128,7 +128,7 @@ def test_bounce_buffer_bytes_are_bounded_by_its_pieces(sim, monkeypatch, tmp_pat
         model = mapped(TransformerStack, tmp_path)
     eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), keep_file_backed=True)
     bounce = hm._BOUNCE()
-    biggest = max(eng.executor.layout(n).nbytes for n in eng.last_plan.streamed_order)
+    biggest = max(eng.executor.memory.layout(n).nbytes for n in eng.last_plan.streamed_order)
     assert biggest > 4 * bounce.piece, "the scenario needs units of many pieces"
     assert (bounce.piece, bounce.nbytes) == (1024, 2048) and hm.PAGE_LOCKED.bytes == 2048
     assert all(torch.equal(o, ref) for o in outs)

@@ -4,8 +4,8 @@ Owns resident buffers (one flat buffer per resident unit), streaming slots (buff
 slot size, a streamed segment's units back to back in one), the subclass tensors moved beside
 them, the units' layouts, and the count of every byte it allocates (``bytes``, ``peak``). The one
 rule: nothing is allocated on the device but through ``alloc`` (counted), and nothing is freed
-that a copy may still write: callers order the copy stream first (``transfers``). May call torch
-and ``layout`` only.
+that a copy may still write: callers order the copy stream first (``transfers``). May call torch,
+``layout``, ``units`` and ``measure``'s ``OverBudget``.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ where the engine is told to keep them so (``keep_file_backed``: the host streams
 disk): no flat copy is made, and their bytes reach the device through a small page-locked
 bounce buffer (``BOUNCE_PIECES`` pieces of ``BOUNCE_PIECE`` bytes, reused). The one rule: host memory
 is never unregistered (or written) while a copy may read it. A failed registration's pending
-CUDA error is cleared where it happens. May call torch only.
+CUDA error is cleared where it happens. May call torch, ``quant``, ``units`` and ``layout``.
 """
 from __future__ import annotations
 

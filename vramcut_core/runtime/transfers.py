@@ -81,7 +81,8 @@ class Transfers:
         # this executor's copies write go with it.
         weakref.finalize(self, _drain_cuda, self.copy_stream)
 
-    def plan(self, plan: Plan) -> None:
+    def use_plan(self, plan: Plan) -> None:
+        """Copies from now on follow ``plan``'s segments and prefetch order."""
         self.group_of, self.next = prefetch_order(plan)
 
     def drain(self) -> None:
