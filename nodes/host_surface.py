@@ -96,7 +96,7 @@ SURFACE: tuple[Use, ...] = (
     Use("comfy.cli_args.args.disable_pinned_memory", "guarded", hosts="0.33.0",
         newest="same (comfy/cli_args.py: --disable-pinned-memory)"),
     Use("comfy.cli_args.args.fast_disk", "guarded", hosts="0.33.0",
-        note="read where the patcher has no fast_disk of its own (nodes/host_gpu.py host_fast_disk)",
+        note="read where the patcher has no fast_disk of its own (nodes/gpu.py host_fast_disk)",
         newest="same (comfy/cli_args.py: --fast-disk, forces disk-backed loading; ModelPatcher.fast_disk "
                "already applies it, comfy/storage.py model_fast_disk)"),
     Use("comfy.cli_args.args.disable_fast_disk", "guarded", hosts="neither",
@@ -206,7 +206,7 @@ SURFACE: tuple[Use, ...] = (
     Use("weight_function", kind="source", note="per-forward weight functions on a module", newest=MP_SAME),
     Use("bias_function", kind="source", newest=MP_SAME),
     *(Use(a, "guarded", kind="source", hosts="0.33.0 (dynamic VRAM)",
-          note="dynamic-VRAM state on a module (nodes/host.py DYNAMIC_MODULE_ATTRS)",
+          note="dynamic-VRAM state on a module (nodes/patcher.py DYNAMIC_MODULE_ATTRS)",
           newest=("same (comfy/model_patcher.py, ModelPatcherDynamic.load)" if a in ("_v", "_v_signature", "_v_block")
                   else "same (comfy/model_prefetch.py)"))
       for a in ("_v", "_v_signature", "_v_block", "_v_block_faulted", "_prefetch", "_comfy_graph")),
