@@ -17,9 +17,9 @@ import comfy.model_patcher
 from comfy.patcher_extension import WrappersMP
 
 from ..vramcut_core import find_units
-from . import streams
 from .compiler import compiler_off
-from .host import plain_patcher, to_vramcut_patcher
+from .gpu import held_bytes
+from .patcher import plain_patcher, to_vramcut_patcher
 from .state import KEY, NodeReport, PatchState, Settings, VRAMCutError
 
 
@@ -67,7 +67,7 @@ class _CondBatchWrapper:
         self.state = state
 
     def __call__(self, executor, model, *args, **kwargs):
-        held = streams.held_bytes(self.state)
+        held = held_bytes(self.state)
         if not held:
             return executor(model, *args, **kwargs)
         less = held / 1.5
@@ -204,7 +204,7 @@ def patch_clip(clip, settings: Settings, report: NodeReport):
     base.__class__ = VRAMCutCLIP
     base._vramcut = state
     emb_paths = _input_embedding_units(base.cond_stage_model)
-    state.pinned = tuple(u.name for u in find_units(base.cond_stage_model).units
+    state.keep_resident = tuple(u.name for u in find_units(base.cond_stage_model).units
                          if any(p == q or p.startswith(q + ".") for p in emb_paths for q, _ in u.roots))
     engine = state.engine(base.cond_stage_model, base.patcher.load_device)
     report.set("CLIP", engine, engine.weight_plan())
@@ -239,7 +239,7 @@ class VRAMCutVAE(comfy.sd.VAE):
 
         def make(orig):
             def call(*a, **kw):
-                if engine.executor.running:  # an entry point calling another (decode_tiled -> decode)
+                if engine.running:  # an entry point calling another (decode_tiled -> decode)
                     return orig(*a, **kw)
                 return state.run(engine, orig, *a, patcher=patcher, **kw)
             return call

@@ -3,7 +3,7 @@ payload the node shows (live plan events), and ``PatchState``, shared by a patch
 all its clones, which owns one engine per module it runs and turns budget errors into the
 node's message. The one rule: a budget that cannot hold a call is a clear error naming what
 does not fit (an out-of-memory error only where the host has a smaller fallback). May call the
-engine, ``lora`` (device merges), ``host_gpu``, ``compiler`` and ``streams``.
+engine's public face, ``lora`` (device merges), ``gpu`` (the host's own GPU use) and ``compiler``.
 """
 from __future__ import annotations
 
@@ -17,15 +17,11 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import BudgetError, Engine, EngineConfig, signature
-from ..vramcut_core import bandwidth
-from ..vramcut_core.plan import gib_text
-from ..vramcut_core.report import cost_to_json
-from ..vramcut_core.tensors import GIB, fmt_bytes
-from . import streams
+from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, cost_to_json, fmt_bytes, gib_text, host_to_device,
+                            signature)
 from .compiler import compiler_off
 from .errors import VRAMCutError, VRAMCutOOM
-from .host_gpu import host_allocation_pause, host_pinning
+from .gpu import host_hooks, may_page_lock
 from .lora import DeviceMerge
 
 log = logging.getLogger("vramcut")
@@ -105,7 +101,7 @@ class NodeReport:
         plan is a preview's, traced at that shape (stage "traced", the label the node draws)."""
         d = engine.describe(plan)
         # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
-        d["plan"]["cost"] = cost_to_json(d["plan"], bandwidth.host_to_device(engine.config.device))
+        d["plan"]["cost"] = cost_to_json(d["plan"], host_to_device(engine.device))
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
                  "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
                  "verify": d.get("verify") or []}
@@ -157,8 +153,8 @@ class PatchState:
     """Shared by a patched object and all its clones (ComfyUI copies attachments by calling
     ``on_model_patcher_clone``). Owns one engine per module it runs."""
 
-    def __init__(self, kind: str, settings: Settings, report: NodeReport, pinned: tuple[str, ...] = ()) -> None:
-        self.kind, self.settings, self.report, self.pinned = kind, settings, report, pinned
+    def __init__(self, kind: str, settings: Settings, report: NodeReport, keep_resident: tuple[str, ...] = ()) -> None:
+        self.kind, self.settings, self.report, self.keep_resident = kind, settings, report, keep_resident
         self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
         self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
@@ -177,13 +173,12 @@ class PatchState:
         holds device buffers between calls until ``release``."""
         dev = torch.device(device)
         eng = self._engines.get(module)
-        if eng is None or eng.executor.device != dev:
+        if eng is None or eng.device != dev:
             cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
                                prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               pinned=self.pinned, pin_memory=host_pinning(), keep_file_backed=self.fast_disk)
-            eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
-            eng.executor.alloc_context = host_allocation_pause()
-            streams.attach(eng, dev)
+                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
+            eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan),
+                         host=host_hooks(dev))
             for w in eng.unitset.warnings:
                 log.warning("VRAMCut %s: %s", self.kind, w)
             self._engines[module] = eng
@@ -191,9 +186,13 @@ class PatchState:
             eng.keep_buffers(keep_buffers)
         return eng
 
+    def engines(self) -> list[Engine]:
+        """The engines this patch has made (one per module it ran), alive now."""
+        return list(self._engines.values())
+
     @property
     def running(self) -> bool:
-        return any(e.executor.running for e in self._engines.values())
+        return any(e.running for e in self.engines())
 
     def begin_run(self, *_args, **_kw) -> None:
         """Start of a sampling run (ON_PRE_RUN): until its cleanup, a model planned all resident
@@ -204,8 +203,8 @@ class PatchState:
     def release(self, *_args, **_kw) -> None:
         """Give back every device buffer the engines hold (ComfyUI cannot see them)."""
         self.in_run = False
-        for e in list(self._engines.values()):
-            if not e.executor.running:
+        for e in self.engines():
+            if not e.running:
                 e.keep_buffers(False)
                 e.release()
 
@@ -238,8 +237,8 @@ class PatchState:
         """End of a run (ComfyUI's cleanup after sampling): release, and show on the node what
         the run did (forwards, bytes streamed, measured peak)."""
         self.release()
-        for e in list(self._engines.values()):
-            if e.last_plan is not None and e.stats.forwards and not e.executor.running:
+        for e in self.engines():
+            if e.last_plan is not None and e.stats.forwards and not e.running:
                 self.report.set(self.kind, e, e.last_plan)
                 e.reset_stats()  # the next run reports its own
 
@@ -255,21 +254,21 @@ class PatchState:
             with _host_quiet(merge):
                 plan = engine.preview_as(signature(args, kwargs) if sig is None else sig, fn, *args, **kwargs)
             raise Previewed(engine, plan)
-        if self.settings.budget_mode != "fixed" and engine not in self._resolved and not engine.executor.running:
+        if self.settings.budget_mode != "fixed" and engine not in self._resolved and not engine.running:
             # "free VRAM minus reserve" is what is free when the model first runs (ComfyUI has
             # made room for it by then), not when the node ran
             self._resolved.add(engine)
             engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device), self.free_memory))
         key = merge.key if merge is not None else None
-        if self._patches.get(engine, key) != key and not engine.executor.running:
+        if self._patches.get(engine, key) != key and not engine.running:
             engine.release()  # held device copies were merged with other patches
         self._patches[engine] = key
-        engine.executor.on_loaded = merge
         try:
             steady = engine.steady_stats.forwards
             with _host_quiet(merge):  # the compiler off: CLIP, VAE and the rest have no sampling run
-                out = engine.run(fn, *args, **kwargs) if sig is None else engine.run_as(sig, fn, *args, **kwargs)
-            if self.kind != "MODEL" and engine.steady_stats.forwards > steady and not engine.executor.running:
+                out = (engine.run(fn, *args, on_loaded=merge, **kwargs) if sig is None
+                       else engine.run_as(sig, fn, *args, on_loaded=merge, **kwargs))
+            if self.kind != "MODEL" and engine.steady_stats.forwards > steady and not engine.running:
                 # an encode / decode that ran the plan: the node shows its measured cost (sampling
                 # shows it once, at the end of the run: `finish`)
                 self.report.set(self.kind, engine, engine.last_plan)
@@ -294,7 +293,6 @@ class PatchState:
             self.report.fail(str(e))
             raise
         finally:
-            engine.executor.on_loaded = None
             if self.teardown_pending and not self.running:
                 self.teardown_pending = False
                 self.release()

@@ -27,6 +27,7 @@ difference is logged and kept in ``Engine.verify_results``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -59,7 +60,7 @@ class EngineConfig:
     family: str | None = None
     prefetch: bool = True
     residency: bool = True
-    pinned: tuple[str, ...] = ()     # unit name patterns that must stay resident
+    keep_resident: tuple[str, ...] = ()  # unit name patterns that must stay resident
     track_cpu_memory: bool = False   # measure activations on every CPU forward, not only the first
     pin_memory: bool = True          # page-lock host masters (CUDA); off: plain pageable copies
     keep_file_backed: bool = False   # file-mapped weights stay their own masters (no flat host
@@ -75,20 +76,43 @@ class EngineConfig:
         return PlanOptions(prefetch=self.prefetch, residency=self.residency)
 
 
+@dataclasses.dataclass(frozen=True)
+class HostHooks:
+    """What a host tells an engine of its own use of the device, given once at construction.
+
+    ``alloc_context()`` is entered around every device allocation the engine makes (a host that
+    records allocation graphs keeps the engine's out of them). ``reader_streams()`` lists the
+    host's other streams that may read weights while they are swapped in (its offload streams):
+    each is ordered after the copies, as the compute stream is. ``page_lock_room()`` gives the
+    bytes the host's own page-lock limit leaves after what the host locked itself; the engines'
+    page-locked bytes stay within it (the process has one ledger: the last host to give one
+    sets it)."""
+
+    alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    reader_streams: Callable[[], list] | None = None
+    page_lock_room: Callable[[], int] | None = None
+
+
 class TraceUnavailable(RuntimeError):
     """The dry run could not run these inputs (``Engine.preview_as``); the message says why."""
 
 
 class Engine:
+    """The engine's public face, and the adapter's only door: a host builds one per module with
+    its ``HostHooks`` and runs forwards through ``run`` / ``run_as``."""
+
     def __init__(self, module: nn.Module, config: EngineConfig,
-                 on_plan: Callable[["Engine", Plan, tuple], None] | None = None) -> None:
+                 on_plan: Callable[["Engine", Plan, tuple], None] | None = None,
+                 host: HostHooks | None = None) -> None:
         self.module = module
         self.on_plan = on_plan
-        self.planner = UnitPlanner(module, config)
+        host = host or HostHooks()
+        self.planner = UnitPlanner(module, config, lambda name: self.executor.unit_device_bytes(name))
         self.executor = SegmentedExecutor(self.planner.unit, config.device, pin_memory=config.pin_memory,
                                           track_cpu_memory=config.track_cpu_memory, module=module,
-                                          keep_file_backed=config.keep_file_backed)
-        self.planner.unit_bytes = self.executor.unit_device_bytes
+                                          keep_file_backed=config.keep_file_backed,
+                                          alloc_context=host.alloc_context, reader_streams=host.reader_streams,
+                                          page_lock_room=host.page_lock_room)
         self.planner.block_bytes = self.executor.memory.block_bytes
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
@@ -130,9 +154,7 @@ class Engine:
             return
         self.executor.forget_units()
         if self.planner.refind():
-            self._plans.clear()
-            self._joined.clear()
-            self._failed.clear()
+            self._forget_plans()
             self.measurements.clear()
             self.traces.clear()
 
@@ -178,8 +200,8 @@ class Engine:
             return (*self._measure(fn, args, kwargs), MEASURED)
         plan = self.planner.measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
         if self.executor.cuda:
-            pinned = self.planner.pinned_bytes()
-            return (*self._measure(fn, args, kwargs, self.config.budget_bytes - pinned - tr.peak_bytes), TRACED)
+            required = self.planner.keep_resident_bytes()
+            return (*self._measure(fn, args, kwargs, self.config.budget_bytes - required - tr.peak_bytes), TRACED)
         try:
             out, stats, meas = self.executor.forward(plan, fn, *args, measure=True,
                                                      limit_bytes=self.config.budget_bytes, **kwargs)
@@ -228,9 +250,13 @@ class Engine:
         for the old one are dropped; measurements stay."""
         if budget_bytes != self.config.budget_bytes:
             self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
-            self._plans.clear()
-            self._joined.clear()
-            self._failed.clear()
+            self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        """Drop the plans cached per signature, the shapes sharing them and the failures."""
+        self._plans.clear()
+        self._joined.clear()
+        self._failed.clear()
 
     def keep_buffers(self, keep: bool) -> None:
         """Hold device buffers between forwards (a host that ends runs with a callback)."""
@@ -251,31 +277,40 @@ class Engine:
         device copies held between forwards are copied again before the next forward reads them."""
         self.executor.invalidate()
 
-    def order_streams(self, streams: Callable[[], list] | None) -> None:
-        """``streams()`` lists the other streams that may read weights while they are swapped in
-        (a host's offload streams); each is ordered after the copies, as the compute stream is."""
-        self.executor.reader_streams = streams
+    @property
+    def running(self) -> bool:
+        """A forward of this engine runs now (its hooks hold the module's weights)."""
+        return self.executor.running
 
-    def activation_need(self, args: tuple = (), kwargs: dict | None = None) -> int | None:
-        """Measured activation bytes of a forward with these inputs (None before it has run):
-        what a host should count for the call, the weights being the engine's own business."""
-        plan = self.plan_for(args, kwargs)
-        return None if plan is None else plan.activation_reserve_bytes
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
 
     @property
     def held_bytes(self) -> int:
         """Device bytes the engine holds now (weights kept between forwards)."""
         return self.executor.device_bytes
 
-    def run(self, fn: Callable, *args, **kwargs):
-        """Run ``fn(*args, **kwargs)``, a forward of the module, segmented under the budget."""
-        return self.run_as(signature(args, kwargs), fn, *args, **kwargs)
+    def run(self, fn: Callable, *args, on_loaded: Callable | None = None, **kwargs):
+        """Run ``fn(*args, **kwargs)``, a forward of the module, segmented under the budget.
 
-    def run_as(self, sig: tuple, fn: Callable, *args, **kwargs):
+        ``on_loaded(unit)``, for this forward, is called once a fresh device copy of a unit's
+        weights is usable by compute, before any of its modules runs: a host merges weight
+        patches (LoRA) into the device copy there."""
+        return self.run_as(signature(args, kwargs), fn, *args, on_loaded=on_loaded, **kwargs)
+
+    def run_as(self, sig: tuple, fn: Callable, *args, on_loaded: Callable | None = None, **kwargs):
         """``run`` with the input signature given (for calls whose inputs are not tensors yet,
         such as a text encoder's token lists)."""
         if tracing():  # reached from inside a dry run: its tensors are fakes, nothing to plan
             return fn(*args, **kwargs)
+        outer, self.executor.on_loaded = self.executor.on_loaded, on_loaded
+        try:
+            return self._run_as(sig, fn, args, kwargs)
+        finally:
+            self.executor.on_loaded = outer
+
+    def _run_as(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
         self.revalidate()
         failed = self._failed.get(sig)
         if failed is not None:
@@ -442,4 +477,4 @@ def verify_unpatched(sig: tuple, out, fn: Callable, args: tuple, kwargs: dict) -
 
 
 
-__all__ = ["Engine", "EngineConfig", "BudgetError", "TraceUnavailable"]
+__all__ = ["Engine", "EngineConfig", "HostHooks", "BudgetError", "TraceUnavailable"]

@@ -25,10 +25,10 @@ from .units import Unit, UnitSet, find_units, split_unit
 
 
 class UnitPlanner:
-    def __init__(self, module: nn.Module, config, unit_bytes: Callable[[str], int] | None = None) -> None:
+    def __init__(self, module: nn.Module, config, unit_bytes: Callable[[str], int]) -> None:
         self.module = module
         self.config = config          # the engine's EngineConfig (replaced when the budget changes)
-        self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (set by the engine)
+        self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (the executor's layout)
         self.block_bytes = 1          # the device allocator's block size (set by the engine)
         self.unitset: UnitSet = find_units(module, config.family)
         self.all: dict[str, Unit] = {}
@@ -42,8 +42,8 @@ class UnitPlanner:
         self._checks: list | None = None
         self.parent = {}  # a part of a finer cut -> the unit it was cut from
         for u in self.unitset.units:
-            if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.pinned):
-                u.pinned = True
+            if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.keep_resident):
+                u.keep_resident = True
         fmts = sorted({quant.format_name(t.tensor) for u in self.unitset.units for t in u.tensors
                        if not is_plain_tensor(t.tensor) and quant.parts(t.tensor) is None})
         if fmts:
@@ -89,20 +89,21 @@ class UnitPlanner:
                 continue
             # A part needs at most what the whole unit needed, and it ran only if one of its
             # modules did (a VAE decode runs one convolution of a unit that holds the encoder).
-            if p.pinned or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
+            if p.keep_resident or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
                 meas[p.name] = parent
         return [self.plan_unit(p, meas) for p in parts]
 
-    def plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, pin: bool = False) -> PlanUnit:
+    def plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, keep_resident: bool = False) -> PlanUnit:
         m = meas.get(u.name) if meas is not None else None
         return PlanUnit(u.name, self.unit_bytes(u.name),
                         None if meas is None else (m.peak_bytes if m else 0),
                         None if meas is None else (m.entry_bytes if m else 0),
-                        u.pinned or pin, entered=meas is None or m is not None or u.kind == "shared",
+                        u.keep_resident or keep_resident, entered=meas is None or m is not None or u.kind == "shared",
                         calls=m.calls if m else 1)
 
-    def pinned_bytes(self) -> int:
-        return sum(self.unit_bytes(u.name) for u in self.unitset.units if u.pinned)
+    def keep_resident_bytes(self) -> int:
+        """Device bytes of the units that must stay resident."""
+        return sum(self.unit_bytes(u.name) for u in self.unitset.units if u.keep_resident)
 
     # -- plans -----------------------------------------------------------------------------
 
@@ -122,18 +123,19 @@ class UnitPlanner:
         split: list[str] = []
         while todo:
             u = todo.pop()
-            if not u.pinned and u.weight_bytes > cap:
+            if not u.keep_resident and u.weight_bytes > cap:
                 parts = self.split(u.name, None)
                 if parts:
                     split.append(u.name)
                     todo.extend(reversed(parts))
                     continue
             units.append(u)
-        pinned = sum(u.weight_bytes for u in units if u.pinned)
-        if pinned > budget:
-            raise budget_error("pinned units", budget, kind="weights", weight_bytes=pinned, activation_bytes=None,
-                               min_budget_bytes=pinned, exact=False, detail="it must stay resident")
-        slot = max((u.weight_bytes for u in units if not u.pinned and u.weight_bytes <= budget - pinned),
+        required = sum(u.weight_bytes for u in units if u.keep_resident)
+        if required > budget:
+            raise budget_error("units that must stay resident", budget, kind="weights", weight_bytes=required,
+                               activation_bytes=None, min_budget_bytes=required, exact=False,
+                               detail="it must stay resident")
+        slot = max((u.weight_bytes for u in units if not u.keep_resident and u.weight_bytes <= budget - required),
                    default=0)
         return measuring_plan(units, budget, slot, split, self.unitset.warnings)
 
@@ -171,7 +173,7 @@ class UnitPlanner:
         if looped and self.config.residency:
             # A forward that loops over its units (a video VAE decoding frame by frame) would
             # re-send streamed weights on every pass: keep the looped units resident if they fit.
-            units = [self.plan_unit(self.all[n], meas, pin=n in looped) for n in order]
+            units = [self.plan_unit(self.all[n], meas, keep_resident=n in looped) for n in order]
             try:
                 return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options,
                                                      split, self.unitset.warnings), source=source)

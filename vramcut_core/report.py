@@ -52,7 +52,7 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None, steady: RunStats | N
         "warnings": list(plan.warnings),
         "units": [
             {"name": u.name, "weight_bytes": u.weight_bytes, "activation_bytes": u.peak_bytes,
-             "cut_in_bytes": u.entry_bytes, "pinned": u.pinned, "entered": u.entered,
+             "cut_in_bytes": u.entry_bytes, "keep_resident": u.keep_resident, "entered": u.entered,
              "calls": u.calls}
             for u in plan.units
         ],

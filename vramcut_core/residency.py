@@ -72,10 +72,10 @@ class _Search:
         units = self.units = plan.units
         self.budget = plan.budget_bytes
         self.act = activation_reserve(units) if plan.measured else 0
-        self.must = frozenset(i for i, u in enumerate(units) if u.pinned)
+        self.must = frozenset(i for i, u in enumerate(units) if u.keep_resident)
         self.must_bytes = sum(units[i].weight_bytes for i in self.must)
         # units whose residency changes the time: entered, free to stream
-        self.free = [i for i, u in enumerate(units) if u.entered and not u.pinned]
+        self.free = [i for i, u in enumerate(units) if u.entered and not u.keep_resident]
         self.warnings = tuple(w for w in plan.warnings if w != NO_PREFETCH)
         self.memo: dict[tuple, tuple | None] = {}
         self.c = [u.compute_s or 0.0 for u in units]
@@ -271,9 +271,9 @@ class _Search:
         order = [i for i, u in enumerate(units) if u.entered]
         m = len(order)
         c = [units[i].compute_s for i in order]
-        w = [0 if units[i].pinned else units[i].weight_bytes for i in order]
+        w = [0 if units[i].keep_resident else units[i].weight_bytes for i in order]
         x = [units[i].weight_bytes * units[i].calls / bps for i in order]
-        can = [not units[i].pinned and units[i].weight_bytes <= cap for i in order]
+        can = [not units[i].keep_resident and units[i].weight_bytes <= cap for i in order]
         loop = [sync or units[i].calls > 1 for i in order]
         inf = float("inf")
         cost = [inf] * m

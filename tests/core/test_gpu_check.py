@@ -47,9 +47,9 @@ def test_file_backed_check_runs_on_the_simulated_accelerator(monkeypatch):
     from sim_cuda import simulated_cuda
     from vramcut_core.runtime import host_memory as hm
 
-    monkeypatch.setattr(hm.PINNED, "bytes", 0)
-    monkeypatch.setattr(hm.PINNED, "cap", -1)
-    monkeypatch.setattr(hm, "_WINDOW", None)
+    monkeypatch.setattr(hm.PAGE_LOCKED, "bytes", 0)
+    monkeypatch.setattr(hm.PAGE_LOCKED, "cap", -1)
+    monkeypatch.setattr(hm, "_BOUNCE", None)
     with simulated_cuda(monkeypatch) as sim:
         res = fb.check(torch.device("cuda"), gpu_check._budget_to_stream, d=64, depth=4, tokens=16, forwards=3,
                        inputs_on=torch.device("cpu"), host=sim.host_memory)

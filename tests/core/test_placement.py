@@ -26,7 +26,7 @@ def stack(n=10, w=100, act=True):
 
 
 def mixed():
-    return ([PlanUnit("prelude", 30 * MB, 5 * MB, 1 * MB, pinned=True)]
+    return ([PlanUnit("prelude", 30 * MB, 5 * MB, 1 * MB, keep_resident=True)]
             + [PlanUnit(f"double.{i}", 240 * MB, 20 * MB, 6 * MB) for i in range(4)]
             + [PlanUnit(f"single.{i}", 90 * MB, 12 * MB, 6 * MB) for i in range(8)]
             + [PlanUnit("final", 10 * MB, 3 * MB, 2 * MB, entered=False)])

@@ -99,7 +99,7 @@ units_st = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(units_st, st.integers(50, 1200), st.sampled_from([True, False]), st.booleans())
 def test_time_chosen_is_never_slower_than_as_many_as_fit(rows, budget_mb, prefetch, overlap):
-    units = [PlanUnit(f"u{i}", w * MB, 4 * MB, 2 * MB, pinned=(p and i == 0), compute_s=c)
+    units = [PlanUnit(f"u{i}", w * MB, 4 * MB, 2 * MB, keep_resident=(p and i == 0), compute_s=c)
              for i, (w, c, p) in enumerate(rows)]
     opts = PlanOptions(prefetch=prefetch)
     try:
@@ -112,8 +112,8 @@ def test_time_chosen_is_never_slower_than_as_many_as_fit(rows, budget_mb, prefet
     # never slower (equal times within float rounding: a tie keeps the plan streaming fewer bytes)
     assert step_time(timed, 1e9, overlap) <= step_time(count, 1e9, overlap) * (1 + 1e-9)
     assert timed.peak_bytes <= budget_mb * MB
-    assert set(count.resident_units) >= {u.name for u in units if u.pinned}
-    assert set(timed.resident_units) >= {u.name for u in units if u.pinned}
+    assert set(count.resident_units) >= {u.name for u in units if u.keep_resident}
+    assert set(timed.resident_units) >= {u.name for u in units if u.keep_resident}
 
 
 @settings(max_examples=60, deadline=None)
@@ -122,7 +122,7 @@ def test_the_search_times_a_residency_as_predict_times_its_plan(rows, budget_mb,
     # the search's fast timing (no plan built) against the plan built and timed by timeline.predict
     from vramcut_core.residency import _Search
 
-    units = [PlanUnit(f"u{i}", w * MB, 4 * MB, 2 * MB, pinned=(p and i == 0), compute_s=c,
+    units = [PlanUnit(f"u{i}", w * MB, 4 * MB, 2 * MB, keep_resident=(p and i == 0), compute_s=c,
                       entered=(i % 4 != 3), calls=1 + (i % 5 == 2))
              for i, (w, c, p) in enumerate(rows)]
     opts = PlanOptions(prefetch=prefetch)
@@ -149,8 +149,8 @@ def _exhaustive(units, budget, bw):
 
     from vramcut_core.plan import plan_from_residency
 
-    free = [i for i, u in enumerate(units) if not u.pinned]
-    must = {i for i, u in enumerate(units) if u.pinned}
+    free = [i for i, u in enumerate(units) if not u.keep_resident]
+    must = {i for i, u in enumerate(units) if u.keep_resident}
     best = None
     for bits in product((False, True), repeat=len(free)):
         res = must | {i for i, b in zip(free, bits) if b}
