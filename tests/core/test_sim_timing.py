@@ -145,6 +145,27 @@ def test_the_plan_chosen_by_time_runs_faster_than_the_count_based_one(sim):
     assert times["time"] == pytest.approx(plans["time"].time.predicted_s, rel=0.02)
 
 
+def test_unit_times_are_read_without_waiting(sim):
+    """A measuring forward's unit clock is read only once its last mark has completed: asked
+    before, it answers None and the host waits for nothing."""
+    from vramcut_core.runtime.measuring import UnitClock
+
+    side = torch.cuda.Stream()
+    with sim.host_memory():
+        src = torch.ones(1 << 12)
+    dst = torch.empty(1 << 12)  # device memory
+    clock = UnitClock(torch.device("cuda"))
+    side.wait_stream(torch.cuda.current_stream())  # dst was made on the compute stream
+    with torch.cuda.stream(side):
+        dst.copy_(src.pin_memory(), non_blocking=True)  # still in flight: nothing has waited for it
+        clock.start("a")
+        clock.stop()
+    syncs = sim.host_syncs
+    assert clock.seconds() is None and sim.host_syncs == syncs
+    side.synchronize()
+    assert set(clock.seconds()) == {"a"}
+
+
 # -- the budget follows free memory ------------------------------------------------------------
 
 def test_refit_keeps_a_plan_that_still_fits_and_replans_past_the_margin():
