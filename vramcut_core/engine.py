@@ -38,11 +38,12 @@ from torch import nn
 
 from .executor import SegmentedExecutor
 from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .plan import STOPPED, BudgetError, Plan, PlanOptions, budget_error
+from .plan import STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, refit_reason
 from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, max_abs_diff
 from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
 from .planner import UnitPlanner
+from .speed import SPEEDS, UnitTimes
 
 log = logging.getLogger("vramcut")
 
@@ -66,10 +67,20 @@ class EngineConfig:
     keep_file_backed: bool = False   # file-mapped weights stay their own masters (no flat host
                                      # copy), streamed through a page-locked window (a fast disk)
     verify: bool = dataclasses.field(default_factory=verify_from_env)  # compare first forwards with unpatched
+    # residency chosen by predicted time ("time"), by bytes ("count") or "auto" (time on CUDA); see ``speed``
+    speed: str = "auto"
+    bandwidth_bytes_per_s: float | None = None  # host-to-device; None: the figure measured before, if any
+    flops_per_s: float | None = None            # compute throughput; None: measured once (``bandwidth``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
+        if self.speed not in SPEEDS:
+            raise ValueError(f"speed must be one of {', '.join(SPEEDS)}, got {self.speed!r}")
+        for f in ("bandwidth_bytes_per_s", "flops_per_s"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"{f} must be a positive number or None, got {v!r}")
 
     @property
     def options(self) -> PlanOptions:
@@ -119,6 +130,7 @@ class Engine:
         self._failed: dict[tuple, BudgetError] = {}
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
         self.traces: dict[tuple, TraceResult] = {}  # the dry run's profile per input signature
+        self.times = UnitTimes(self.planner.top)    # measured compute seconds per unit, per signature
         self._replanned: dict[tuple, str] = {}  # signatures a steady forward's peak sent back to measuring: why
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
@@ -157,6 +169,7 @@ class Engine:
             self._forget_plans()
             self.measurements.clear()
             self.traces.clear()
+            self.times.forget()
 
     # -- the first forward of a signature ----------------------------------------------------
 
@@ -246,11 +259,42 @@ class Engine:
         self.executor.release()
 
     def set_budget(self, budget_bytes: int) -> None:
-        """A new budget (resolved late, from the device's free memory): plans and failures made
-        for the old one are dropped; measurements stay."""
-        if budget_bytes != self.config.budget_bytes:
-            self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
-            self._forget_plans()
+        """A new budget (resolved late, from the device's free memory, maybe before every step).
+        The plan running is kept while the budget still holds its peak and has not grown past
+        ``plan.REFIT_MARGIN`` (``plan.refit_reason``: no churn when free memory wobbles); else
+        every cached plan is made again at once from its measurements (no forward measures
+        again), carrying the reason (``Plan.refit``). Failures made for the old budget are
+        dropped; measurements stay."""
+        old = self.config.budget_bytes
+        if budget_bytes == old:
+            return
+        self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
+        self._failed.clear()
+        plan = self._plans.get(self.last_signature) if self.last_signature is not None else None
+        why = refit_reason(plan, budget_bytes) if plan is not None else ""
+        if why is None:
+            return
+        plans = dict(self._plans)
+        self._forget_plans()
+        if not why:
+            return  # nothing planned yet
+        log.warning("VRAMCut: %s; planning again", why)
+        if not self.executor.running:
+            self.executor.release()  # the old plan's buffers go before the new plan allocates
+        refit = Refit(why, budget_bytes, plan.budget_bytes)
+        for sig, p in plans.items():
+            if sig not in self.measurements:
+                continue
+            try:
+                self._plans[sig] = dataclasses.replace(
+                    self.planner.measured_plan(self.measurements[sig], p.source, self.times.seconds(sig)), refit=refit)
+            except BudgetError as e:
+                self._failed[sig] = e
+        new = self._plans.get(self.last_signature)
+        if new is not None:
+            self.last_plan = new
+            if self.on_plan is not None:
+                self.on_plan(self, new, self.last_signature)
 
     def _forget_plans(self) -> None:
         """Drop the plans cached per signature, the shapes sharing them and the failures."""
@@ -321,7 +365,8 @@ class Engine:
                 out, stats, meas, source = self._guard(lambda f, a, k: self._first_forward(sig, f, a, k),
                                                        fn, args, kwargs)
                 meas = self.measurements[sig] = _grown(self.measurements.get(sig), meas)
-                plan = self.planner.measured_plan(meas, source)
+                self.times.measured(sig, self.executor.take_clock())
+                plan = self.planner.measured_plan(meas, source, self.times.seconds(sig))
                 why = self._replanned.get(sig)
                 if why:  # the node shows why this shape was planned again (the new plan only)
                     plan = dataclasses.replace(plan, warnings=plan.warnings + (f"planned again: {why}",))
@@ -336,7 +381,7 @@ class Engine:
             if self.on_plan is not None:
                 self.on_plan(self, plan, sig)
             return out
-        plan = self._steady(sig, plan)
+        plan = self._steady(sig, self._retimed(sig, plan))
         out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
         self._record(plan, sig, stats)
         self.steady_stats.add(stats)
@@ -353,6 +398,19 @@ class Engine:
         return out
         return out
 
+    def _retimed(self, sig: tuple, plan: Plan) -> Plan:
+        """The plan of ``sig`` made again, once, when its measuring forward's unit times have just
+        become readable (CUDA: its events completed; asked without waiting): measured compute
+        times replace the dry run's estimate."""
+        if not self.times.ready(sig) or self._plans.get(sig) is not plan or sig not in self.measurements:
+            return plan
+        new = self.planner.measured_plan(self.measurements[sig], plan.source, self.times.seconds(sig))
+        again = tuple(w for w in plan.warnings if w.startswith("planned again") and w not in new.warnings)
+        new = self._plans[sig] = dataclasses.replace(new, warnings=new.warnings + again, refit=plan.refit)
+        if self.on_plan is not None:
+            self.on_plan(self, new, sig)
+        return new
+
     def _steady(self, sig: tuple, plan: Plan) -> Plan:
         """The plan to run ``sig`` with: its own, or, when it alternates with the last shape while
         buffers are held and the two plans lay them out differently, one plan for both (see the
@@ -366,7 +424,7 @@ class Engine:
         if meas is None:
             return plan
         try:
-            joint = self.planner.measured_plan(meas, plan.source)
+            joint = self.planner.measured_plan(meas, plan.source, self.times.seconds(sig))
         except BudgetError:
             return plan
         for s in group:

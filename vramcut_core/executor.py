@@ -243,6 +243,12 @@ class SegmentedExecutor:
         self.masters.forget()
         self.memory.forget_layouts()
 
+    def take_clock(self):
+        """The unit clock of the last measured forward that finished (``runtime.measuring.UnitClock``),
+        once; None when none ran since."""
+        clock, self.measuring.done_clock = self.measuring.done_clock, None
+        return clock
+
     def unit_device_bytes(self, name: str) -> int:
         return self.memory.unit_bytes(name)
 
@@ -308,6 +314,7 @@ class SegmentedExecutor:
         nxt = tr.next.get(name)
         if nxt is not None and len(mem.slots) >= 2 and mem.slot_of(nxt[0]) is None:
             self._load_into_slot(nxt, mem.other_slot(self._last_streamed), sync=not self.cuda)
+        self.measuring.entered(name)
 
     def _loaded(self, name: str, dc: DeviceCopy) -> None:
         """Run ``on_loaded`` once per device copy, when the copy is usable by compute."""

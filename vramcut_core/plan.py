@@ -127,6 +127,27 @@ class PlanOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanTime:
+    """What a plan predicts per forward (``timeline.predict``): ``predicted_s`` for the plan,
+    ``resident_s`` for every unit resident (its compute alone), ``source`` of the units' compute
+    times: "flops" (the dry run's count over the measured throughput) or "measured" (a real
+    forward timed each unit)."""
+
+    predicted_s: float
+    resident_s: float
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Refit:
+    """Why a plan was made again for a new budget (free memory moved): the new and old budgets."""
+
+    reason: str
+    budget_bytes: int
+    previous_budget_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     budget_bytes: int
     units: tuple[PlanUnit, ...]
@@ -139,6 +160,8 @@ class Plan:
     # where the activation figures came from before the first forward: "traced" (a dry run on
     # fake tensors) or "measured" (a real forward measured them; the dry run could not run)
     source: str | None = None
+    time: PlanTime | None = None      # the predicted step, where compute times and bandwidth are known
+    refit: Refit | None = None        # planned again because the budget moved (free memory)
 
     @property
     def resident_bytes(self) -> int:
@@ -189,6 +212,22 @@ class Plan:
     def segment_name(self, seg: Segment) -> str:
         first, last = self.units[seg.units[0]].name, self.units[seg.units[-1]].name
         return first if first == last else f"{first} … {last}"
+
+
+REFIT_MARGIN = 0.10  # a budget this much above the one a plan was made for plans again (no churn below)
+
+
+def refit_reason(plan: Plan, budget: int, margin: float = REFIT_MARGIN) -> str | None:
+    """Why ``plan`` must be made again for a new ``budget`` (free memory moved), or None when it
+    is kept: it is kept while the budget still holds its peak and is not more than ``margin``
+    above the budget it was made for (or nothing streams: more room cannot make it faster), so
+    a budget that wobbles by a few MiB never re-plans."""
+    if budget < plan.peak_bytes:
+        return f"the budget fell to {gib_text(budget)} GiB, below the plan's peak {gib_text(plan.peak_bytes)} GiB"
+    if budget > plan.budget_bytes * (1 + margin) and plan.streamed_order:
+        return (f"the budget grew to {gib_text(budget)} GiB, more than {margin:.0%} above the "
+                f"{gib_text(plan.budget_bytes)} GiB the plan was made for")
+    return None
 
 
 def activation_reserve(units: Sequence[PlanUnit]) -> int:

@@ -1,4 +1,5 @@
-"""One forward's measurement: the meter, the unit entries, the live limit, the forward's peak.
+"""One forward's measurement: the meter, the unit entries, the live limit, the forward's peak,
+and each unit's compute time (``UnitClock``).
 
 Owns the per-forward measurement state only (the meters and the ``UnitRecorder`` that the dry
 run shares live in ``vramcut_core.measure``): the meter's readings at each unit's entry and
@@ -8,6 +9,8 @@ device peak. The one rule: the executor's own buffers are never counted as activ
 call torch and ``measure``, and read ``device_memory``'s byte counts and its ``empty_cache``.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -24,6 +27,8 @@ class Measuring:
         self.device, self.cuda, self.memory, self._unit = device, device.type == "cuda", memory, units
         self.meter: Meter | None = None
         self.recorder: UnitRecorder | None = None   # a measured forward's (with its meter)
+        self.clock: UnitClock | None = None         # its unit times (with its recorder)
+        self.done_clock: UnitClock | None = None    # the last measured forward's, once it finished
         self.limit: int | None = None      # measuring forward: stop before passing this many bytes
         self.act_seen = self.cuda_peak = self.input_bytes = 0
         self.base = self.base_reserved = 0  # device bytes not ours at forward start
@@ -39,6 +44,7 @@ class Measuring:
             self.memory.pause = m.paused  # the executor's own copies and buffers are not activations
         self.meter = m
         self.recorder = UnitRecorder() if m is not None else None
+        self.clock = UnitClock(self.device) if m is not None else None
 
     @property
     def meas(self) -> dict[str, UnitMeasurement] | None:
@@ -74,6 +80,7 @@ class Measuring:
         if name == prev:
             return False
         if rec is not None:
+            self.clock.stop()  # before the next unit's copy is waited for
             rec.leave(self.meter.peak() + self.input_bytes)
             rec.enter(name, self.meter.live() + self.input_bytes)
             if self.cuda:  # the meter resets the allocator's peak per unit: keep the forward's
@@ -81,10 +88,17 @@ class Measuring:
             self.meter.reset_peak()
         return True
 
+    def entered(self, name: str) -> None:
+        """Unit ``name`` is ready to compute (its weights copied and waited for): its time starts."""
+        if self.clock is not None:
+            self.clock.start(name)
+
     def finish(self) -> dict[str, UnitMeasurement] | None:
         """The measured figures by unit, in entry order (None: nothing was measured)."""
         if self.recorder is None:
             return None
+        self.clock.stop()
+        self.done_clock = self.clock
         peak = self.meter.peak() + self.input_bytes if self.recorder.current is not None else None
         return self.recorder.finish(lambda n: self._unit(n).hook_modules, peak)
 
@@ -149,7 +163,49 @@ class Measuring:
     def cpu_stats(self, stats, wall: float) -> None:
         """CPU copies are synchronous: compute waits for every one of them."""
         stats.time_wait_s = stats.time_copy_s
+        stats.time_s, stats.timed = wall, 1
         stats.time_compute_s = max(0.0, wall - stats.time_copy_s)
         if self.meas is not None:
             stats.peak_device_bytes = self.memory.peak + max(
                 (m.peak_bytes for m in self.meas.values()), default=0)
+
+
+class UnitClock:
+    """Each unit's compute seconds in one measured forward: a mark when the unit is ready to
+    compute (after any copy it waited for) and one when the next unit is entered (before that
+    one's copy), summed over its passes; what runs between two units counts to the one before, as
+    the dry run's FLOPs do. On CUDA the marks are timing events on the compute stream, read only
+    once the last has completed (``seconds`` asks ``query``: it never waits, so no host sync is
+    added); on CPU, wall time (copies there are made on the thread that computes, outside the
+    marks)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.spans: list[tuple[str, object, object]] = []
+        self._open: tuple[str, object] | None = None
+
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev
+        return time.perf_counter()
+
+    def start(self, name: str) -> None:
+        self.stop()
+        self._open = (name, self._mark())
+
+    def stop(self) -> None:
+        if self._open is not None:
+            name, a = self._open
+            self.spans.append((name, a, self._mark()))
+            self._open = None
+
+    def seconds(self) -> dict[str, float] | None:
+        """Seconds per unit entered, or None while the last mark has not completed (CUDA)."""
+        if self.cuda and self.spans and not self.spans[-1][2].query():
+            return None
+        out: dict[str, float] = {}
+        for n, a, b in self.spans:
+            out[n] = out.get(n, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out

@@ -311,6 +311,7 @@ class Transfers:
         timed = [p for p in self.timing if p[1].query()]
         self.timing = [p for p in self.timing if p not in timed]
         total = sum(a.elapsed_time(b) for a, b in timed) / 1e3
+        stats.time_s, stats.timed = total, len(timed)
         stats.time_compute_s = max(0.0, total - stats.time_wait_s)
 
     def forget_times(self) -> None:
