@@ -417,6 +417,7 @@ class SimCuda:
         self.peak_resets = 0
         self.pinned_peak = 0              # most bytes from torch's page-locked allocator alive at once
         self.pageable_async: list[str] = []  # non-blocking copies from pageable host memory (they stall)
+        self.peer_copies: list[tuple[int, int, int]] = []  # (source device, destination device, bytes)
         SimCuda.active = self
         self.computes = {d: SimStream(d, sim=self, eager=True) for d in range(devices)}
         self.compute = self.computes[0]
@@ -635,9 +636,54 @@ class SimCuda:
             if rec is not None and not rec.host:
                 return rec.dev
         dev = kwargs.get("device")
-        if isinstance(dev, torch.device) and dev.index:
+        if isinstance(dev, torch.device) and dev.index is not None:
             return dev.index
         return None
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        """Where a tensor lives as the code under test sees it (``cuda:N`` for simulated device
+        memory, a fake tensor's own device, else its real one)."""
+        if isinstance(t, FakeTensor) or _wrapper(t):
+            return t.device
+        rec = self.recs.get(t.untyped_storage().data_ptr())
+        return torch.device("cuda", rec.dev) if rec is not None and not rec.host else t.device
+
+    def check_one_device(self, tensors: list, func) -> None:
+        """An operator on device memory of two devices fails, as CUDA's do."""
+        devs = sorted({r.dev for t in tensors if (r := self.recs.get(t.untyped_storage().data_ptr())) is not None
+                       and not r.host and t.dim() > 0})
+        if len(devs) > 1:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"cuda:{devs[0]} and cuda:{devs[1]}! (simulated, {func})")
+
+    def peer_copy(self, func, src: torch.Tensor, kwargs: dict, dst_dev: int):
+        """``src.to(cuda:N)`` from another device, as torch's CUDA copy does it: the copy runs on the
+        source device's current stream after a barrier with the destination's current stream, and
+        the destination's current stream waits for it (no host sync); the new tensor is the
+        destination device's memory, allocated on its current stream."""
+        src_rec = self.recs[src.untyped_storage().data_ptr()]
+        s_stream, d_stream = self.current_stream(src_rec.dev), self.current_stream(dst_dev)
+        self.peer_copies.append((src_rec.dev, dst_dev, src.untyped_storage().nbytes()))
+        barrier = SimEvent()
+        barrier.record(d_stream)
+        s_stream.wait_event(barrier)
+        with _disable_current_modes():
+            out = torch.empty(src.shape, dtype=kwargs.get("dtype") or src.dtype)
+        _fill_fresh(out)
+        rec = self.track_new(out, d_stream, host=False)
+        pos = s_stream.issue()
+        self.access(s_stream, pos, src, write=False, what=f"peer {func}")
+        self.access(s_stream, pos, out, write=True, what=f"peer {func}")
+        job = lambda d=_WeakView(out), s=_WeakView(src): _deferred_copy(d, s)  # noqa: E731
+        if s_stream.eager:
+            with _disable_current_modes():
+                job()
+        else:
+            s_stream.queue.append(("op", pos, job))
+        done = SimEvent()
+        done.record(s_stream)
+        d_stream.wait_event(done)
+        return out
 
     def device_op(self, tensors: list) -> bool:
         if not tensors:
@@ -675,6 +721,13 @@ class _SimMode(TorchDispatchMode):
         if sim.pending_error is not None and sim.device_op(tensors):
             sim.raise_pending()
         stream = sim.current()
+        if sim.n_devices > 1 and func is aten._to_copy.default and tensors and not sim.host_ctx:
+            dst = sim.op_device([], kwargs)
+            src_rec = sim.recs.get(tensors[0].untyped_storage().data_ptr())
+            if dst is not None and src_rec is not None and not src_rec.host and src_rec.dev != dst:
+                return sim.peer_copy(func, args[0], kwargs, dst)
+        if sim.n_devices > 1 and not sim.host_ctx:
+            sim.check_one_device(tensors, func)
         if stream.eager and sim.n_devices > 1:
             # an operator runs on the compute stream of the device its tensors are on (a new
             # tensor for "cuda" with no index: the current device)
@@ -848,7 +901,7 @@ class _SimDevice:
 def _placement(device: torch.device) -> torch.device:
     """Where a simulated device's tensors are made: host memory, ``cpu:N`` for ``cuda:N`` (N > 0),
     so the simulator knows which device an allocation is for."""
-    return torch.device("cpu", device.index) if device.index else torch.device("cpu")
+    return torch.device("cpu", device.index) if device.index is not None else torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -904,6 +957,8 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         host_memory = importlib.import_module(rt.__name__ + ".host_memory")
         monkeypatch.setattr(device_memory, "_placement", _placement)
         monkeypatch.setattr(host_memory, "_host_buffer", host_buffer_of(host_memory._host_buffer))
+        hops = importlib.import_module(rt.__name__ + ".hops")
+        monkeypatch.setattr(hops, "_device_of", sim.device_of)
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))

@@ -93,6 +93,7 @@ class SegmentedExecutor:
         # of its modules runs: the host merges weight patches (LoRA) into the device copy there.
         self.on_loaded: Callable[[Unit], None] | None = None
         self._stale_copies = False
+        self.group = None  # the executors of one engine on several devices (they coexist)
         if module is not None:  # executors on one module hold device buffers one at a time
             _EXECUTORS.setdefault(module, weakref.WeakSet()).add(self)
         self._module = weakref.ref(module) if module is not None else None
@@ -234,7 +235,8 @@ class SegmentedExecutor:
         if mod is None:
             return
         for other in list(_EXECUTORS.get(mod, ())):
-            if other is not self and not other.running and other.device_bytes:
+            if other is not self and not other.running and other.device_bytes and (
+                    other.group is None or other.group is not self.group):
                 other.release()
 
     def forget_units(self) -> None:
