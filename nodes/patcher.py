@@ -23,7 +23,6 @@ import comfy.model_management as mm
 import comfy.model_patcher
 from comfy.patcher_extension import CallbacksMP
 
-from ..vramcut_core import GIB
 from .gpu import held_bytes, host_fast_disk, weights_changing
 from .lora import _host_patch_functions, merge_shape_changing_on_host, mergeable_patch_keys
 from .state import KEY, PatchState, VRAMCutError, state_of
@@ -166,11 +165,14 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         return n
 
     def model_size(self):
+        # what ComfyUI frees on the load device before loading: the budget there, not the model
+        # (with devices, that device's own budget; the others are the engines' to manage)
         real = super().model_size()
         st = state_of(self) if hasattr(self, "attachments") else None
-        if st is None or st.settings.budget_mode != "fixed":
+        budget = st.settings.home_budget_bytes(self.load_device) if st is not None else None
+        if budget is None:
             return real
-        return min(real, max(1, int(st.settings.max_vram_gb * GIB)))
+        return min(real, max(1, budget))
 
 
 def _unpin_host_pins(model: torch.nn.Module, keys: frozenset) -> None:

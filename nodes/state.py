@@ -20,6 +20,7 @@ import comfy.model_management as mm
 from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, cost_to_json, fmt_bytes, gib_text, host_to_device,
                             signature)
 from .compiler import compiler_off
+from .devices import Devices, device_name
 from .errors import VRAMCutError, VRAMCutOOM
 from .gpu import host_hooks, may_page_lock
 from .lora import DeviceMerge
@@ -41,6 +42,7 @@ class Settings:
     reserve_gb: float = 1.0
     prefetch: bool = True
     residency: bool = True
+    devices: Devices | None = None  # the Devices node's budgets, one per device; None: max_vram_gb's
 
     def validate(self) -> "Settings":
         for name in ("max_vram_gb", "reserve_gb"):
@@ -51,6 +53,8 @@ class Settings:
                 raise VRAMCutError(f"{name} must not be negative, got {v}")
         if self.budget_mode not in MODES:
             raise VRAMCutError(f"budget_mode must be one of {MODES}, got {self.budget_mode!r}")
+        if self.devices is not None:
+            self.devices.validate()
         return self
 
     @property
@@ -78,6 +82,19 @@ class Settings:
         return b
 
 
+    def home_budget_bytes(self, device) -> int | None:
+        """The budget given for ``device`` alone, where it is a fixed number: max_vram_gb, or with
+        devices that device's entry; None where it is read from free memory."""
+        if self.devices is not None:
+            return self.devices.fixed_budget(device)
+        return int(self.max_vram_gb * GIB) if self.budget_mode == "fixed" else None
+
+    @property
+    def refits(self) -> bool:
+        """The budget follows free VRAM: re-read before each call (one device, 'free VRAM minus reserve')."""
+        return self.devices is None and self.budget_mode != "fixed"
+
+
 class Previewed(Exception):
     """Ends a call made for a plan preview where the engine would have run it: the traced plan."""
 
@@ -94,6 +111,8 @@ class NodeReport:
         self.payload: dict = {"budget_bytes": int(settings.max_vram_gb * GIB) if settings.budget_mode == "fixed" else None,
                               "enabled": settings.enabled, "message": None, "message_level": None,
                               "models": []}
+        if settings.devices is not None:  # the header names each device's budget (only with devices)
+            self.payload["devices"] = settings.devices.to_json()
         self._index: dict[str, int] = {}
 
     def set(self, kind: str, engine: Engine, plan=None, traced_at: str | None = None) -> None:
@@ -102,11 +121,17 @@ class NodeReport:
         d = engine.describe(plan)
         # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
         d["plan"]["cost"] = cost_to_json(d["plan"], host_to_device(engine.device))
+        _per_device_answer(d["plan"])
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
                  "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
                  "verify": d.get("verify") or []}
         if traced_at is not None:
             entry.update(stage="traced", traced_at=traced_at)
+        t = time_answer(d["plan"].get("time"))
+        if t is not None:
+            entry["time"] = t
+        if isinstance(d["plan"].get("refit"), dict):
+            entry["refit"] = d["plan"]["refit"]
         if kind in self._index:
             self.payload["models"][self._index[kind]] = entry
         else:
@@ -149,6 +174,39 @@ class NodeReport:
                 log.debug("vramcut: could not send plan event: %s", e)
 
 
+def _per_device_answer(plan: dict) -> None:
+    """With the plan placed across devices (its "devices", contract of the plan JSON): the answer
+    line's verdict is every device within its own budget, and the hops per call join it."""
+    devices = plan.get("devices")
+    if not isinstance(devices, list) or not devices:
+        return
+    cost = plan.setdefault("cost", {})
+    cost["fits"] = all(int(d.get("peak_bytes") or 0) <= int(d.get("budget_bytes") or 0) for d in devices)
+    cost["devices"] = len(devices)
+    cost["hops_per_call"] = plan.get("hops_per_call")
+    cost["hop_bytes_per_call"] = plan.get("hop_bytes_per_call")
+
+
+def time_answer(time: dict | None) -> dict | None:
+    """The node's time line from the plan's "time" (seconds per call): before a call, the time the
+    plan is predicted to add over all-resident and the ratio; after one, the measured time and
+    the prediction's error ((predicted - measured) / measured). None where nothing was predicted."""
+    if not isinstance(time, dict):
+        return None
+    pred, res = time.get("predicted_s"), time.get("resident_s")
+    if not isinstance(pred, (int, float)) or not isinstance(res, (int, float)):
+        return None
+    out = {"predicted_s": float(pred), "resident_s": float(res), "added_s": max(0.0, float(pred) - float(res)),
+           "ratio": float(pred) / float(res) if res > 0 else None, "source": time.get("source"),
+           "measured_s": None, "error": None}
+    meas = time.get("measured_s")
+    if isinstance(meas, (int, float)) and meas > 0:
+        out["measured_s"] = float(meas)
+        err = time.get("error")
+        out["error"] = float(err) if isinstance(err, (int, float)) else (float(pred) - float(meas)) / float(meas)
+    return out
+
+
 class PatchState:
     """Shared by a patched object and all its clones (ComfyUI copies attachments by calling
     ``on_model_patcher_clone``). Owns one engine per module it runs."""
@@ -157,7 +215,6 @@ class PatchState:
         self.kind, self.settings, self.report, self.keep_resident = kind, settings, report, keep_resident
         self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
-        self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
         self.fast_disk = False   # the host streams the model from a fast disk: keep file-backed masters
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
@@ -174,8 +231,7 @@ class PatchState:
         dev = torch.device(device)
         eng = self._engines.get(module)
         if eng is None or eng.device != dev:
-            cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
-                               prefetch=self.settings.prefetch, residency=self.settings.residency,
+            cfg = EngineConfig(**self._budget(dev), prefetch=self.settings.prefetch, residency=self.settings.residency,
                                keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan),
                          host=host_hooks(dev))
@@ -185,6 +241,18 @@ class PatchState:
         if keep_buffers is not None:
             eng.keep_buffers(keep_buffers)
         return eng
+
+    def _budget(self, dev: torch.device) -> dict:
+        """The budget part of the engine's configuration on ``dev``: one budget, as before, or with
+        the Devices node each device's (``devices``, ``dev`` the home device among them, the
+        budget their sum), passed only when the user gave devices."""
+        if self.settings.devices is None:
+            return {"budget_bytes": self.settings.budget_bytes(dev, self.free_memory), "device": str(dev)}
+        budgets = self.settings.devices.budgets(dev, self.free_memory)
+        if "devices" not in getattr(EngineConfig, "__dataclass_fields__", {}):
+            raise VRAMCutError("devices: this version of the engine plans one device only; disconnect the "
+                               "Devices node (the budget is then max_vram_gb's)")
+        return {"budget_bytes": sum(b for _, b in budgets), "device": device_name(dev), "devices": budgets}
 
     def engines(self) -> list[Engine]:
         """The engines this patch has made (one per module it ran), alive now."""
@@ -242,6 +310,18 @@ class PatchState:
                 self.report.set(self.kind, e, e.last_plan)
                 e.reset_stats()  # the next run reports its own
 
+    def refit(self, engine: Engine) -> None:
+        """'free VRAM minus reserve' read again before a call: what is free now (ComfyUI has made
+        room for the model by the first call, not when the node ran; another program may take
+        memory between calls) plus what this engine holds itself, less the reserve. The engine
+        decides whether the change is worth planning again (it keeps its plan on small
+        wobbles) and says so in its plan ("refit"). One reading of the host's free-memory
+        figure per call: no host sync beyond what the host does itself."""
+        ask = self.free_memory or mm.get_free_memory
+        held = engine.held_bytes
+        engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device),
+                                                     lambda d: int(ask(d)) + held))
+
     def run(self, engine: Engine, fn, *args, sig=None, patcher=None, **kwargs):
         """Run through the engine, merging ``patcher``'s weight patches into each unit's device
         copy as it arrives. A budget that cannot hold this call is a plain error naming what does
@@ -254,11 +334,8 @@ class PatchState:
             with _host_quiet(merge):
                 plan = engine.preview_as(signature(args, kwargs) if sig is None else sig, fn, *args, **kwargs)
             raise Previewed(engine, plan)
-        if self.settings.budget_mode != "fixed" and engine not in self._resolved and not engine.running:
-            # "free VRAM minus reserve" is what is free when the model first runs (ComfyUI has
-            # made room for it by then), not when the node ran
-            self._resolved.add(engine)
-            engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device), self.free_memory))
+        if self.settings.refits and not engine.running:
+            self.refit(engine)
         key = merge.key if merge is not None else None
         if self._patches.get(engine, key) != key and not engine.running:
             engine.release()  # held device copies were merged with other patches

@@ -7,6 +7,7 @@ from .bandwidth import host_to_device
 from .engine import Engine, EngineConfig, HostHooks, TraceUnavailable
 from .executor import SegmentedExecutor
 from .measure import signature
+from .placement import parse_devices
 from .plan import BudgetError, Plan, PlanOptions, PlanUnit, Segment, build_plan, gib_text, gib_to_bytes, make_plan
 from .quant import parts as quant_parts
 from .report import RunStats, cost_to_json, plan_to_json, plan_to_text
@@ -19,5 +20,5 @@ __all__ = [
     "BudgetError", "Engine", "EngineConfig", "FAMILIES", "Family", "GIB", "HostHooks", "Plan", "PlanOptions",
     "PlanUnit", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet", "build_plan",
     "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
-    "make_plan", "plan_to_json", "plan_to_text", "quant_parts", "signature", "split_unit",
+    "make_plan", "parse_devices", "plan_to_json", "plan_to_text", "quant_parts", "signature", "split_unit",
 ]

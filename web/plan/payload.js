@@ -5,7 +5,13 @@
 //            models: [{kind, label, stage ("weights" | "traced" | "measured"), traced_at? (the
 //            preview's shape, with stage "traced"), signature, warnings, text, refused?, plan: {budget_bytes,
 //            peak_bytes, streamed_bytes_per_forward, transfers_per_forward, resident_bytes,
-//            window_bytes, activation_reserve_bytes, measured, units, segments, stats?, cost?}}]}
+//            window_bytes, activation_reserve_bytes, measured, units, segments, stats?, cost?,
+//            devices? (more than one device: [{device, budget_bytes, peak_bytes, resident_bytes,
+//            window_bytes, activation_bytes, streamed_bytes_per_call, copies_per_call, segments}]),
+//            hops? ([{src, dst, unit, bytes}]), hop_bytes_per_call?, hops_per_call?},
+//            time? ({predicted_s, resident_s, added_s, ratio, measured_s, error, source}: the node's
+//            time line, per call), refit? ({reason, budget_bytes, previous_budget_bytes})}],
+//  devices? ([{device, budget_bytes (null: free VRAM less the reserve)}]: the Devices node's list)}
 // Rule: pure functions of the payload (no DOM, no ComfyUI, nothing done at import); they read
 // Python's figures and never recompute the plan. ComfyUI also loads this file on its own as an
 // extension script, which is harmless only while that stays so.
@@ -30,11 +36,16 @@ export function normalizePayload(p) {
         warnings: [...new Set([...asArray(m.warnings), ...asArray(plan.warnings)].map(String))],
         text: String(m.text ?? ""),
         refused: m.refused === true,
+        time: isObject(m.time) && Number.isFinite(Number(m.time.predicted_s)) ? m.time : null,
+        refit: isObject(m.refit) && Number.isFinite(Number(m.refit.budget_bytes)) ? m.refit : null,
         plan: {
           ...plan,
           segments: asArray(plan.segments).filter((s) => s && typeof s === "object"),
           units: asArray(plan.units),
           cost: plan.cost && typeof plan.cost === "object" ? plan.cost : null,
+          // one row per device only where the plan spans more than one (Python sends none for one)
+          devices: asArray(plan.devices).filter((d) => isObject(d) && d.device),
+          hops: asArray(plan.hops).filter(isObject),
         },
       };
     });
@@ -47,8 +58,13 @@ export function normalizePayload(p) {
     min_budget_bytes: positive(p.min_budget_bytes),
     min_budget_exact: p.min_budget_exact === true,  // the smallest that works, not a lower bound
     need_bytes: positive(p.need_bytes),
+    devices: asArray(p.devices).filter((d) => isObject(d) && d.device),
     models,
   };
+}
+
+function isObject(v) {
+  return !!v && typeof v === "object" && !Array.isArray(v);
 }
 
 /** The newest payload of a node's output (a list, newest last) or the payload itself. */
