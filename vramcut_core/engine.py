@@ -46,6 +46,7 @@ from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, max_abs_diff
 from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
 from .planner import UnitPlanner
+from . import speed
 from .speed import SPEEDS, UnitTimes
 
 log = logging.getLogger("vramcut")
@@ -181,6 +182,7 @@ class Engine:
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
         self.traces: dict[tuple, TraceResult] = {}  # the dry run's profile per input signature
         self.times = UnitTimes(self.planner.top)    # measured compute seconds per unit, per signature
+        self._untimed: set[tuple] = set()   # CPU: signatures whose next forward times its units
         self._replanned: dict[tuple, str] = {}  # signatures a steady forward's peak sent back to measuring: why
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
@@ -446,7 +448,11 @@ class Engine:
                 out, stats, meas, source = self._guard(lambda f, a, k: self._first_forward(sig, f, a, k),
                                                        fn, args, kwargs)
                 meas = self.measurements[sig] = _grown(self.measurements.get(sig), meas)
-                self.times.measured(sig, self.executor.take_clock())
+                clock = self.executor.take_clock()
+                if self.executor.cuda:
+                    self.times.measured(sig, clock)
+                else:  # the CPU meter's Python at every operator is in that clock: time the next forward
+                    self._untimed.add(sig)
                 plan = self.planner.measured_plan(meas, source, self.times.seconds(sig))
                 why = self._replanned.get(sig)
                 if why:  # the node shows why this shape was planned again (the new plan only)
@@ -463,7 +469,14 @@ class Engine:
                 self.on_plan(self, plan, sig)
             return out
         plan = self._steady(sig, self._retimed(sig, plan))
-        out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
+        timing = sig in self._untimed
+        out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, clock=timing, **k),
+                                    fn, args, kwargs)
+        if timing:
+            self._untimed.discard(sig)
+            self.times.measured(sig, self.executor.take_clock())
+            if speed.by_time(self.config):
+                self._retime(sig, plan)
         self._record(plan, sig, stats)
         self.steady_stats.add(stats)
         if stats.peak_device_bytes > self.config.budget_bytes and sig not in self._replanned:
@@ -536,7 +549,13 @@ class Engine:
         """The plan of ``sig`` made again, once, when its measuring forward's unit times have just
         become readable (CUDA: its events completed; asked without waiting): measured compute
         times replace the dry run's estimate."""
-        if not self.times.ready(sig) or self._plans.get(sig) is not plan or sig not in self.measurements:
+        if not self.times.ready(sig):
+            return plan
+        return self._retime(sig, plan)
+
+    def _retime(self, sig: tuple, plan: Plan) -> Plan:
+        """``plan`` made again from the unit times just measured for ``sig``."""
+        if self._plans.get(sig) is not plan or sig not in self.measurements or self.times.seconds(sig) is None:
             return plan
         new = self.planner.measured_plan(self.measurements[sig], plan.source, self.times.seconds(sig))
         again = tuple(w for w in plan.warnings if w.startswith("planned again") and w not in new.warnings)

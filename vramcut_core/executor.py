@@ -115,14 +115,16 @@ class SegmentedExecutor:
                 self.binding.drop_held()  # buffers kept past the session; the weights are not
 
     def forward(self, plan: Plan, fn: Callable, *args, measure: bool = False,
-                limit_bytes: int | None = None, **kwargs):
+                limit_bytes: int | None = None, clock: bool = False, **kwargs):
         """Run ``fn(*args, **kwargs)`` (a forward of the module) under ``plan``.
 
         Returns ``(output, stats, measurements)``; measurements (per unit, activation bytes) only
         when ``measure`` is true, else None. With ``limit_bytes`` (measuring forwards) the forward
         is stopped with ``OverBudget`` as soon as weights on the device plus live activations
         pass it (on CPU at the allocation that would pass it; on CUDA at the next module call),
-        or when it enters a unit larger than the plan's slot.
+        or when it enters a unit larger than the plan's slot. With ``clock`` (a timed forward)
+        every unit is hooked, resident ones too, and timed without a meter (``take_clock``): a
+        CPU meter runs Python at every operator, which a measuring forward's times would carry.
         """
         if self._running:
             raise RuntimeError("SegmentedExecutor.forward is not re-entrant")
@@ -145,12 +147,12 @@ class SegmentedExecutor:
             if self.cuda:
                 start_ev = ms.start_cuda()
             self._last_plan = self._plan = plan
-            resumed = self.binding.resume(plan, not measure and not self._stale_copies)
+            resumed = self.binding.resume(plan, not measure and not clock and not self._stale_copies)
             if not resumed:
                 self._begin(plan)
             if self.cuda:
                 ms.base = torch.cuda.memory_allocated(self.device) - self.device_bytes
-            ms.make_meter(measure, self.track_cpu_memory, self._check_live)
+            ms.make_meter(measure, self.track_cpu_memory, self._check_live, clock)
             # inputs count as activations; walked only when measuring (not on every forward)
             ms.input_bytes = _input_bytes(args, kwargs, self.device, self.memory.buffer_bytes) if ms.meter is not None else 0
             if ms.meter is not None:
@@ -158,7 +160,7 @@ class SegmentedExecutor:
             if self.cuda:
                 capped = ms.cap_cuda(self.device_bytes + ms.input_bytes)
             if not resumed:
-                self.hooks.install(plan, ms.meas is not None, self.memory.resident_names)
+                self.hooks.install(plan, ms.meas is not None, set() if clock else self.memory.resident_names)
             global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())
             out = fn(*args, **kwargs)
             ok = True

@@ -12,9 +12,11 @@ compute time and a bandwidth; without either the count-based plan is kept.
   for the device (``cached_host_to_device``: never measured here, never assumed).
 * Throughput: ``EngineConfig.flops_per_s``, else ``bandwidth.matmul_throughput`` for the device and
   the module's compute dtype (a probe, once per device and dtype, cached).
-* Measured times: ``UnitTimes`` keeps, per input signature, the unit clock of the measuring
-  forward (``runtime.measuring.UnitClock``) until its marks can be read without waiting, then the
-  seconds per unit; they replace the dry run's estimate.
+* Measured times: ``UnitTimes`` keeps, per input signature, a unit clock
+  (``runtime.measuring.UnitClock``) until its marks can be read without waiting, then the seconds
+  per unit; they replace the dry run's estimate. On CUDA the clock is the measuring forward's; on
+  CPU the forward after it is timed, without the meter (a CPU meter runs Python at every
+  operator: a measuring forward's wall times carry it).
 
 The one rule: no figure here is assumed; without a measured one the answer is None.
 """

@@ -70,3 +70,21 @@ def test_speed_time_on_cpu_plans_from_measured_unit_times_without_overlap():
 def test_a_bad_speed_setting_is_a_value_error(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(budget_bytes=1 << 30, **{field: value})
+
+
+def test_cpu_times_units_in_the_forward_after_the_measuring_one_resident_units_too():
+    """The measuring forward's CPU meter runs Python at every operator: its wall times are not the
+    units' times. The forward after it is timed instead, every unit hooked, with no meter."""
+    model, x, ref = build()
+    eng = Engine(model, EngineConfig(budget_bytes=half(model), device="cpu"))
+    with torch.no_grad(), eng.session():
+        assert torch.equal(eng.run(model, x), ref)
+        sig = eng.last_signature
+        assert eng.times.seconds(sig) is None
+        assert torch.equal(eng.run(model, x), ref)
+        secs = eng.times.seconds(sig)
+        plan = eng.last_plan
+        assert plan.resident_units and plan.streamed_order
+        assert set(secs) == {u.name for u in plan.units if u.entered} and all(s > 0 for s in secs.values())
+        assert torch.equal(eng.run(model, x), ref)
+        assert eng.times.seconds(sig) == secs  # timed once, not on every forward

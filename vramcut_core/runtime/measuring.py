@@ -33,9 +33,10 @@ class Measuring:
         self.act_seen = self.cuda_peak = self.input_bytes = 0
         self.base = self.base_reserved = 0  # device bytes not ours at forward start
 
-    def make_meter(self, measure: bool, track_cpu_memory: bool, check) -> None:
+    def make_meter(self, measure: bool, track_cpu_memory: bool, check, clock: bool = False) -> None:
         """The forward's meter (a CUDA one only when measuring; a CPU one when measuring or
-        tracking memory); ``check`` is the limit check a CPU meter calls at every new storage."""
+        tracking memory); ``check`` is the limit check a CPU meter calls at every new storage.
+        A unit clock runs with a meter, or alone with ``clock`` (a timed forward: no meter)."""
         m: Meter | None = None
         if self.cuda:
             m = CUDAMeter(self.device, self._own_bytes_relative) if measure else None
@@ -44,7 +45,7 @@ class Measuring:
             self.memory.pause = m.paused  # the executor's own copies and buffers are not activations
         self.meter = m
         self.recorder = UnitRecorder() if m is not None else None
-        self.clock = UnitClock(self.device) if m is not None else None
+        self.clock = UnitClock(self.device) if m is not None or clock else None
 
     @property
     def meas(self) -> dict[str, UnitMeasurement] | None:
@@ -79,8 +80,9 @@ class Measuring:
             rec.saw(module)
         if name == prev:
             return False
-        if rec is not None:
+        if self.clock is not None:
             self.clock.stop()  # before the next unit's copy is waited for
+        if rec is not None:
             rec.leave(self.meter.peak() + self.input_bytes)
             rec.enter(name, self.meter.live() + self.input_bytes)
             if self.cuda:  # the meter resets the allocator's peak per unit: keep the forward's
@@ -95,10 +97,11 @@ class Measuring:
 
     def finish(self) -> dict[str, UnitMeasurement] | None:
         """The measured figures by unit, in entry order (None: nothing was measured)."""
+        if self.clock is not None:
+            self.clock.stop()
+            self.done_clock = self.clock
         if self.recorder is None:
             return None
-        self.clock.stop()
-        self.done_clock = self.clock
         peak = self.meter.peak() + self.input_bytes if self.recorder.current is not None else None
         return self.recorder.finish(lambda n: self._unit(n).hook_modules, peak)
 
