@@ -41,7 +41,7 @@ from .executor import SegmentedExecutor
 from .placement import Placement, place
 from .runtime.hops import HOME
 from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .plan import STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, refit_reason
+from .plan import STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, refit_budget, refit_reason
 from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, max_abs_diff
 from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
@@ -325,7 +325,9 @@ class Engine:
         The plan running is kept while the budget still holds its peak and has not grown past
         ``plan.REFIT_MARGIN`` (``plan.refit_reason``: no churn when free memory wobbles); else
         every cached plan is made again at once from its measurements (no forward measures
-        again), carrying the reason (``Plan.refit``). Failures made for the old budget are
+        again), carrying the reason (``Plan.refit``). A budget that fell is planned for
+        ``plan.REFIT_DOWN_MARGIN`` below it (``plan.refit_budget``), so that memory taken a little
+        at a time re-plans once, not at every step. Failures made for the old budget are
         dropped; measurements stay."""
         old = self.config.budget_bytes
         if budget_bytes == old:
@@ -343,6 +345,9 @@ class Engine:
         log.warning("VRAMCut: %s; planning again", why)
         if not self.running:
             self.release()  # the old plan's buffers go before the new plan allocates
+        # a fall plans a margin below the new budget (``plan.refit_budget``): further small drops keep it
+        target = refit_budget(budget_bytes, plan.budget_bytes)
+        self.planner.plan_budget = target if target < budget_bytes else None
         refit = Refit(why, budget_bytes, plan.budget_bytes)
         for sig, p in plans.items():
             if sig not in self.measurements:

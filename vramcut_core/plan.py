@@ -215,6 +215,15 @@ class Plan:
 
 
 REFIT_MARGIN = 0.10  # a budget this much above the one a plan was made for plans again (no churn below)
+# a budget that fell below the plan's peak plans again this much below it, so that further small
+# drops (another program taking memory a little at a time) keep the new plan
+REFIT_DOWN_MARGIN = 0.05
+
+
+def refit_budget(budget: int, previous: int, margin: float = REFIT_DOWN_MARGIN) -> int:
+    """The budget to plan for when the budget moves from ``previous`` to ``budget``: a fall
+    plans ``margin`` below the new budget (hysteresis on the way down), a rise plans for it."""
+    return max(1, int(budget * (1 - margin))) if budget < previous else budget
 
 
 def refit_reason(plan: Plan, budget: int, margin: float = REFIT_MARGIN) -> str | None:
@@ -224,9 +233,11 @@ def refit_reason(plan: Plan, budget: int, margin: float = REFIT_MARGIN) -> str |
     a budget that wobbles by a few MiB never re-plans."""
     if budget < plan.peak_bytes:
         return f"the budget fell to {gib_text(budget)} GiB, below the plan's peak {gib_text(plan.peak_bytes)} GiB"
-    if budget > plan.budget_bytes * (1 + margin) and plan.streamed_order:
+    # a plan made below the budget (``refit_budget``'s margin) counts from the budget it was made under
+    made_for = max(plan.budget_bytes, plan.refit.budget_bytes if plan.refit is not None else 0)
+    if budget > made_for * (1 + margin) and plan.streamed_order:
         return (f"the budget grew to {gib_text(budget)} GiB, more than {margin:.0%} above the "
-                f"{gib_text(plan.budget_bytes)} GiB the plan was made for")
+                f"{gib_text(made_for)} GiB the plan was made for")
     return None
 
 

@@ -36,6 +36,9 @@ class UnitPlanner:
         self.config = config          # the engine's EngineConfig (replaced when the budget changes)
         self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (the executor's layout)
         self.block_bytes = 1          # the device allocator's block size (set by the engine)
+        # plans are made for this many bytes where it is below the config's budget and they fit
+        # (set by ``Engine.set_budget`` after a fall: hysteresis, see ``plan.refit_budget``)
+        self.plan_budget: int | None = None
         self.unitset: UnitSet = find_units(module, config.family)
         self.figures = speed.Figures(module)
         self.all: dict[str, Unit] = {}
@@ -197,7 +200,18 @@ class UnitPlanner:
                       measured: dict[str, float] | None = None) -> Plan:
         """The plan from per-unit figures (measured, or the dry run's), in the order the forward
         entered the units; timed and chosen by time where the config asks for it (``measured``:
-        seconds per unit from a timed forward, see ``compute_seconds``)."""
+        seconds per unit from a timed forward, see ``compute_seconds``). Made for ``plan_budget``
+        where one is set below the config's budget and the plan fits it, else for the config's."""
+        low = self.plan_budget
+        if low is not None and low < self.config.budget_bytes:
+            try:
+                return self._measured_plan(meas, source, measured, low)
+            except BudgetError:
+                pass  # the margin does not fit: the whole budget
+        return self._measured_plan(meas, source, measured, self.config.budget_bytes)
+
+    def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str,
+                       measured: dict[str, float] | None, budget: int) -> Plan:
         seconds, tsource = self.compute_seconds(meas, measured)
         names = [u.name for u in self.unitset.units]
         entered = [n for n in meas if n in self.all]
@@ -209,7 +223,7 @@ class UnitPlanner:
             # re-send streamed weights on every pass: keep the looped units resident if they fit.
             units = [self.plan_unit(self.all[n], meas, keep_resident=n in looped, seconds=seconds) for n in order]
             try:
-                return self._timed(dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options,
+                return self._timed(dataclasses.replace(make_plan(units, budget, self.options,
                                                                  split, self.unitset.warnings), source=source), tsource)
             except BudgetError:
                 pass
@@ -219,7 +233,7 @@ class UnitPlanner:
             worst = max(meas[n].calls for n in looped)
             notes.append(f"the forward enters {len(looped)} units up to {worst} times; what streams is "
                          f"copied on every pass (a larger budget keeps them resident)")
-        return self._timed(dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options, split, notes),
+        return self._timed(dataclasses.replace(make_plan(units, budget, self.options, split, notes),
                                                source=source), tsource)
 
     def _timed(self, plan: Plan, source: str | None) -> Plan:

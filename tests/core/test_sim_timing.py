@@ -237,3 +237,54 @@ def test_the_budget_follows_free_memory_another_program_takes(sim, caplog):
 def free_budget_of_empty(sim, reserve: int) -> int:
     free, _ = torch.cuda.mem_get_info()
     return free - reserve
+
+
+def test_memory_taken_in_small_steps_replans_once(sim, caplog):
+    """Another program takes device memory a little at a time, step after step: the first step
+    that leaves the plan without room plans again a margin below the new budget
+    (``plan.REFIT_DOWN_MARGIN``), so the smaller drops after it keep that plan: one re-plan, not
+    one per step; the peak stays under every step's budget and the output is unchanged. Each small
+    bite is just enough that a plan made for the budget before it, with no margin, would no longer
+    fit (so without the margin every bite plans again)."""
+    from vramcut_core.plan import REFIT_DOWN_MARGIN
+
+    sim.total_memory = 8 * MIB
+    model, x, ref = build(sim, [Block(64, 1) for _ in range(64)])
+    weights = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    reserve = MIB
+    others: list[torch.Tensor] = []
+
+    def free_budget(eng) -> int:  # as the host reads it (see the test above)
+        free, _ = torch.cuda.mem_get_info()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return free + cached + eng.held_bytes - reserve
+
+    def tight_peak(eng, budget) -> int:  # the peak of a plan made for ``budget`` with no margin
+        sig = eng.last_signature
+        return eng.planner._measured_plan(eng.measurements[sig], eng.last_plan.source, None, budget).peak_bytes
+
+    eng = Engine(model, EngineConfig(budget_bytes=free_budget_of_empty(sim, reserve), device="cuda", speed="count"))
+    budgets, peaks, plans = [], [], []
+    with torch.no_grad(), eng.session(), caplog.at_level(logging.WARNING, logger="vramcut"):
+        for i in range(5):
+            if i == 2:  # the first bite leaves room for two thirds of the weights
+                others.append(torch.empty(free_budget(eng) - (2 * weights) // 3, dtype=torch.uint8))
+            elif i > 2:  # then small bites
+                b = free_budget(eng)
+                others.append(torch.empty(b - tight_peak(eng, b) + 1, dtype=torch.uint8))
+            b = free_budget(eng)
+            eng.set_budget(b)
+            sim.alloc.reset_peak()
+            base = sim.alloc.reserved - eng.held_bytes
+            assert torch.equal(eng.run(model, x), ref)
+            budgets.append(b)
+            peaks.append(sim.alloc.max_reserved - base)
+            plans.append(eng.last_plan)
+    assert all(p <= b for p, b in zip(peaks, budgets)), list(zip(peaks, budgets))
+    assert budgets[2:] == sorted(budgets[2:], reverse=True) and budgets[-1] < budgets[3] < budgets[2]
+    assert plans[2] is not plans[1] and plans[2].streamed_order, "the program took the room: planned again"
+    assert plans[2].budget_bytes <= budgets[2] * (1 - REFIT_DOWN_MARGIN) + 1
+    assert plans[2].refit is not None and plans[2].refit.budget_bytes == budgets[2]
+    assert all(p is plans[2] for p in plans[3:]), "small drops after the re-plan keep it"
+    assert sum("planning again" in r.getMessage() for r in caplog.records) == 1
+    assert budgets[-1] > budgets[2] * (1 - REFIT_DOWN_MARGIN), "the small bites stay within the margin"
