@@ -299,7 +299,7 @@ class Engine:
         if tr.measurements is None:
             raise TraceUnavailable(tr.reason or "the dry run gave no figures")
         if self.group is not None:  # the placement, drawn as one plan
-            return combined_plan(self._place(dict(tr.measurements)), TRACED)
+            return combined_plan(self._place(dict(tr.measurements), sig), TRACED)
         return self.planner.measured_plan(dict(tr.measurements), TRACED)
 
     def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> Plan | None:
@@ -498,13 +498,26 @@ class Engine:
 
     # -- several devices ---------------------------------------------------------------------
 
-    def _place(self, meas: dict[str, UnitMeasurement]) -> Placement:
+    def _place(self, meas: dict[str, UnitMeasurement], sig: tuple | None = None) -> Placement:
         """The placement of the units on the config's devices from per-unit figures (in the order
-        the forward entered them); a ``BudgetError`` when no placement fits."""
+        the forward entered them; FLOPs the real forward does not count come from ``sig``'s dry
+        run); a ``BudgetError`` when no placement fits."""
         pl = self.planner
         order = [n for n in meas if n in pl.all] + [u.name for u in pl.unitset.units if u.name not in meas]
-        units = [pl.plan_unit(pl.all[n], meas) for n in order]
-        return place(units, list(self.config.devices), pl.options, warnings=pl.unitset.warnings)
+        # where the config chooses by time: the units' compute times (the dry run's FLOPs over the
+        # measured throughput), the placement's time tie-break, and each device's residency by time
+        tr = self.traces.get(sig) if sig is not None else None
+        counted = {n: m.flops for n, m in ((tr.measurements if tr is not None else None) or {}).items()}
+        seconds, source = pl.compute_seconds({n: m if m.flops is not None or n not in counted else
+                                              dataclasses.replace(m, flops=counted[n]) for n, m in meas.items()})
+        bps = pl.figures.bytes_per_s(self.config) if seconds is not None else None
+        units = [pl.plan_unit(pl.all[n], meas, seconds=seconds) for n in order]
+        placed = place(units, list(self.config.devices), pl.options, warnings=pl.unitset.warnings,
+                       bytes_per_s=bps)
+        if not bps:
+            return placed
+        return dataclasses.replace(placed, devices=tuple(
+            d if d.plan is None else dataclasses.replace(d, plan=pl.timed(d.plan, source)) for d in placed.devices))
 
     def _run_placed(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
         """``run_as`` on several devices: the first forward of a signature plans from the dry run
@@ -581,7 +594,7 @@ class Engine:
                 f"({tr.reason}); name one device (devices={self.config.device}=GIB, or no devices) to run "
                 "on one GPU"))
         meas = {n: dataclasses.replace(m) for n, m in tr.measurements.items()}
-        pl = self._place(meas)
+        pl = self._place(meas, sig)
         check = check_hops(self.module, unit_devices(pl, self.planner.unit), torch.device(self.config.device),
                            fn, args, kwargs)
         if check.rule is None:
@@ -603,7 +616,7 @@ class Engine:
                             "activations); placing again", len(self.config.devices), e.unit,
                             fmt_bytes(e.activation_bytes))
                 m.peak_bytes = max(m.peak_bytes, e.activation_bytes) + self.planner.block_bytes
-                pl = self._place(meas)
+                pl = self._place(meas, sig)
         else:
             raise BudgetError("devices", 0, self.config.budget_bytes, message=(
                 "VRAMCut: the first forward across devices passed a device's budget four times; "
@@ -611,7 +624,7 @@ class Engine:
         meas = self.measurements[sig] = _grown(self.measurements.get(sig), self.planner.aggregate(got))
         if self.config.verify:
             self.verify_results.append(verify_unpatched(sig, out, fn, args, kwargs))
-        placed = (self._place(meas), check.rule, check.hops)
+        placed = (self._place(meas, sig), check.rule, check.hops)
         if unit_devices(placed[0], self.planner.unit) != unit_devices(pl, self.planner.unit):
             # the measured figures moved a cut: the hops of the new placement, on fake devices
             check = check_hops(self.module, unit_devices(placed[0], self.planner.unit),

@@ -223,7 +223,7 @@ class UnitPlanner:
             # re-send streamed weights on every pass: keep the looped units resident if they fit.
             units = [self.plan_unit(self.all[n], meas, keep_resident=n in looped, seconds=seconds) for n in order]
             try:
-                return self._timed(dataclasses.replace(make_plan(units, budget, self.options,
+                return self.timed(dataclasses.replace(make_plan(units, budget, self.options,
                                                                  split, self.unitset.warnings), source=source), tsource)
             except BudgetError:
                 pass
@@ -233,10 +233,10 @@ class UnitPlanner:
             worst = max(meas[n].calls for n in looped)
             notes.append(f"the forward enters {len(looped)} units up to {worst} times; what streams is "
                          f"copied on every pass (a larger budget keeps them resident)")
-        return self._timed(dataclasses.replace(make_plan(units, budget, self.options, split, notes),
+        return self.timed(dataclasses.replace(make_plan(units, budget, self.options, split, notes),
                                                source=source), tsource)
 
-    def _timed(self, plan: Plan, source: str | None) -> Plan:
+    def timed(self, plan: Plan, source: str | None) -> Plan:
         """``plan`` with its residency chosen by time and its predicted step, where its units have
         compute times and a bandwidth is known; else ``plan`` unchanged."""
         if source is None or not timeline.known(plan.units):

@@ -10,6 +10,7 @@ hazard (no read of a slot or a hop before its copy), no host sync in a steady fo
 the plan shows are the peer copies that ran, and the model unchanged after (and after an
 exception mid-forward). One device named in ``devices`` is today's path exactly.
 """
+import dataclasses
 import gc
 
 import pytest
@@ -294,3 +295,37 @@ def test_other_engines_on_the_module_release_but_the_group_coexists(sim2):
             assert torch.equal(other.run(model, *args), ref)
             assert eng.held_bytes == 0   # gave its buffers back to the other engine
             assert torch.equal(eng.run(model, *args), ref)
+
+
+@pytest.mark.parametrize("family", ["mmdit", "video"])
+def test_across_devices_residency_by_time_within_each_budget(sim2, family):
+    """With residency chosen by time (``speed="time"``, the bandwidth and throughput given), each
+    device's plan carries its units' compute times and is ``residency.by_time``'s under its own
+    budget (never slower under the model than the count-based plan of the same units); each
+    device's reserved peak stays within its budget and the output is bit-equal."""
+    from vramcut_core.plan import make_plan
+    from vramcut_core.residency import by_time
+    from vramcut_core.timeline import predict
+
+    sim = sim2
+    model, args, ref = setup(sim, family)
+    bps = 1e9
+    with torch.no_grad():
+        devs = budgets(model, args, 2)
+        eng = Engine(model, EngineConfig(budget_bytes=sum(b for _, b in devs), device="cuda:0", devices=tuple(devs),
+                                         speed="time", bandwidth_bytes_per_s=bps, flops_per_s=1e9))
+        bases = fresh(sim)
+        with eng.session():
+            outs = [eng.run(model, *args) for _ in range(3)]
+    assert all(torch.equal(o, ref) for o in outs)
+    peaks_within(sim, devs, bases, held=outs)
+    used = eng.placement.used
+    assert len(used) == 2
+    for d in used:
+        p = d.plan
+        assert p.time is not None and all(u.compute_s is not None for u in p.units if u.entered)
+        count = make_plan(list(p.units), d.budget_bytes, eng.planner.options)
+        assert p == dataclasses.replace(by_time(count, bps, eng.planner.options, overlap=True), time=p.time,
+                                        source=p.source)
+        assert p.time.predicted_s <= predict(count, bps).step_s + 1e-12
+        assert p.peak_bytes <= d.budget_bytes
