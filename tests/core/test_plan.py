@@ -94,7 +94,8 @@ def test_infeasible_raises_clear_error_naming_unit_bytes_and_budget():
     with pytest.raises(BudgetError) as e:
         make_plan(units, 110 * MB)
     msg = str(e.value)
-    assert "blocks.0" in msg and "110.0 MiB" in msg and "120.0 MiB" in msg and "cannot be cut finer" in msg
+    # the budget and the need at the widget's three decimals (110 MiB = 0.107 GiB; 120 MiB rounds up)
+    assert "blocks.0" in msg and "0.107 GiB" in msg and "0.118 GiB" in msg and "cannot be cut finer" in msg
     assert e.value.unit == "blocks.0" and e.value.need_bytes == 120 * MB
 
 
