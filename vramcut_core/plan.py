@@ -477,8 +477,9 @@ def gib_text(n: int) -> str:
 
 
 def budget_gib(n: int) -> str:
-    """A budget in a message, at the widget's three decimals: "2.250 GiB"."""
-    return f"{n / 1024**3:.3f} GiB"
+    """A budget in a message, at the widget's three decimals: "2.250 GiB" (in bytes where that
+    would read 0.000: a budget below the widget's precision)."""
+    return f"{n / 1024**3:.3f} GiB" if n >= GIB_ROUND / 2 * 1024**3 else f"{n} B"
 
 
 def need_gib(n: int) -> str:
