@@ -260,5 +260,5 @@ def test_report_text_counts_idle_segments_apart_from_streamed():
     counts = {w: sum(1 for s in segs if (s["resident"] and w == "resident") or (not s["resident"] and s["idle"] and w == "idle")
                      or (not s["resident"] and not s["idle"] and w == "streamed")) for w in ("resident", "streamed", "idle")}
     assert counts["idle"] >= 1 and counts["streamed"] >= 1, segs
-    footer = next(line for line in plan_to_text(plan).splitlines() if line.startswith("streamed per forward"))
+    footer = next(line for line in plan_to_text(plan).splitlines() if line.startswith("streamed per call"))
     assert footer.endswith(f"{counts['resident']} resident · {counts['streamed']} streamed · {counts['idle']} idle segments"), footer
