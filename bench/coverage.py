@@ -63,6 +63,9 @@ def main(argv: list[str]) -> int:
                 print(out.stderr, file=sys.stderr)
                 return out.returncode
             print(out.stdout)
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import docgen
+    print(docgen.stamp("python bench/coverage.py PYTHON=COMFYUI_PATH ... > docs/coverage.md"))
     return 0
 
 

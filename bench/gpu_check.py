@@ -20,6 +20,9 @@ What the simulated accelerator in the tests cannot tell:
   bit-equal to the unpatched model, every weight part inside the executor's buffers;
   ``replan``: a budget a block's intra-module temporary overshoots while measuring: a finer cut,
   ``max_memory_reserved`` within the budget on every forward;
+  ``outgrow``: a block's temporary grows mid-run with the same input shape (a longer prompt held
+  by the host): the forward over the budget is seen, re-planned once, later forwards within it,
+  no host sync and no ``empty_cache`` per steady step after;
   ``teardown``: weights held by a session, the host's release and move to the offload device
   while held: nothing left on the device, no parameter copied back, values unchanged;
   ``alternating``: two cached shapes in turn, host syncs (stream, event, device) and
@@ -43,6 +46,7 @@ What the simulated accelerator in the tests cannot tell:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -67,7 +71,7 @@ NOT = "not measured"
 GB = 1 << 30
 ALLOCATORS = {"native": "", "cudaMallocAsync": "backend:cudaMallocAsync"}
 MODELS = ("transformer", "unet", "subclass", "flux_shaped")
-CHECKS = ("kitchen", "replan", "teardown", "alternating", "second_gpu", "compiler", "file_backed")
+CHECKS = ("kitchen", "replan", "outgrow", "teardown", "alternating", "second_gpu", "compiler", "file_backed")
 
 
 def _rss() -> int | None:
@@ -334,6 +338,57 @@ def check_replan(dev) -> dict:
             "bit_equal": all(exact)}
 
 
+class _Prompt(torch.nn.Module):
+    """A block attending to a prompt the host holds (``tokens``): a longer prompt grows its
+    temporary, the input signature stays the same."""
+
+    tokens = 0
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if _Prompt.tokens:
+            ctx = torch.ones(x.shape[0], _Prompt.tokens, x.shape[-1], device=x.device, dtype=x.dtype)
+            h = h + (torch.softmax(h @ ctx.transpose(1, 2), -1) @ ctx)[..., :1] * 0
+        return h
+
+
+def check_outgrow(dev, d: int = 1024, depth: int = 8, tokens: int = 256, steps: int = 8,
+                  inputs_on=None, host=contextlib.nullcontext) -> dict:
+    """(``inputs_on``, ``host``: where the inputs live and the context the model is built in;
+    the tests run it small on the simulated accelerator.)"""
+    on = dev if inputs_on is None else inputs_on
+    _Prompt.tokens = 0
+    with host():
+        model = toys.seeded(torch.nn.Sequential(*[_Prompt(d) for _ in range(depth)]))
+        x = (torch.randn(2, tokens, d, generator=torch.Generator().manual_seed(4)).to(on),)
+        ref = model.to(on)(*x)
+        model.to("cpu")
+    budget = _budget_to_stream(model, x, dev, share=0.6)
+    eng = Engine(model, EngineConfig(budget_bytes=budget, device=str(dev)))
+    peaks, exact, syncs = [], [], []
+    try:
+        with eng.session():
+            for i in range(steps):
+                if i == 3:  # a longer prompt: the temporary grows past what the plan left free
+                    per = 2 * 4 * (d + 2 * tokens)  # the context and the scores, per prompt token
+                    _Prompt.tokens = (budget - eng.last_plan.peak_bytes) // per + 2
+                with _SyncCounter() as c:
+                    exact.append(torch.equal(eng.run(model, *x), ref))
+                syncs.append(c.counts["syncs"] + c.counts["empty_cache"])
+                peaks.append(eng.last_stats.peak_device_bytes)
+    finally:
+        _Prompt.tokens = 0
+    replans = sum(p > budget for p in peaks)
+    return {"ok": all(exact) and peaks[3] > budget and all(0 < p <= budget for p in peaks[4:])
+            and syncs[-2:] == [0, 0],
+            "budget_bytes": budget, "peaks": peaks, "over_budget_forwards": replans,
+            "syncs_and_empty_cache_per_forward": syncs, "bit_equal": all(exact)}
+
+
 def check_teardown(dev) -> dict:
     model = toys.seeded(toys.TransformerStack(d=512, depth=8))
     x = (torch.randint(0, 50, (2, 64)).to(dev),)
@@ -422,6 +477,7 @@ def check_second_gpu() -> dict:
 def round2(dev) -> dict:
     out = {}
     for name, fn in (("kitchen", lambda: check_kitchen(dev)), ("replan", lambda: check_replan(dev)),
+                     ("outgrow", lambda: check_outgrow(dev)),
                      ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
                      ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check),
                      ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream))):

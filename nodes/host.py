@@ -14,6 +14,7 @@ on newer hosts ``is_dynamic()``, ``get_free_memory()`` and ``lora_compute_dtype(
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -116,6 +117,24 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
             if unpatch_weights:
                 _give_back_to_dynamic(self.model)
 
+    def unpin_all_weights(self):
+        # (newer hosts: the host page-locked the offloaded weights at load, by address)
+        st = state_of(self) if hasattr(self, "attachments") else None
+        pinned = getattr(self, "pinned", None)
+        if st is None or not pinned:
+            return super().unpin_all_weights()
+        if st.running:
+            # a forward runs on the engines' device copies: the parameters point at those, and
+            # the host would unpin them and leave its own page-locked tensors registered. Its
+            # tensors are unpinned once the forward has ended and they are the masters again.
+            st.after_forward(functools.partial(_unpin_host_pins, self.model, frozenset(pinned)))
+            pinned.clear()  # as the host's own unpin leaves its table (shared by clones)
+            return None
+        # weights held between steps point at device copies, and copies may still read the
+        # host's tensors: give them back first, so the host unpins its own, with no copy reading
+        st.release()
+        return super().unpin_all_weights()
+
     def detach(self, unpatch_all=True):
         st = state_of(self)
         if st is not None:
@@ -153,6 +172,14 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         if st is None or st.settings.budget_mode != "fixed":
             return real
         return min(real, max(1, int(st.settings.max_vram_gb * GIB)))
+
+
+def _unpin_host_pins(model: torch.nn.Module, keys: frozenset) -> None:
+    """The host's unpin of ``keys`` (its ``unpin_weight`` without the patcher, which may be gone
+    by the time a forward ends): each weight is found by its key and unpinned by address."""
+    for key in keys:
+        weight, _, _ = comfy.model_patcher.get_key_weight(model, key)
+        mm.unpin_memory(weight)
 
 
 def is_dynamic(patcher) -> bool:

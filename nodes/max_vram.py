@@ -30,12 +30,12 @@ def _budget_inputs() -> list:
         io.Float.Input(
             "max_vram_gb", default=6.0, min=0.0, max=1024.0, step=0.05, round=0.001,
             tooltip="VRAM budget in GiB for each connected model's weights and activations. "
-                    "0 turns VRAMCut off (the inputs pass through unchanged). With 'free VRAM minus "
-                    "reserve' a value above 0 caps the budget."),
+                    "0 turns VRAMCut off in both modes (the inputs pass through unchanged). With 'free "
+                    "VRAM minus reserve' it caps the budget."),
         io.Combo.Input(
             "budget_mode", options=list(MODES), default="fixed",
             tooltip="fixed: use max_vram_gb. free VRAM minus reserve: when a model first runs, take "
-                    "the GPU's free memory less reserve_gb."),
+                    "the GPU's free memory less reserve_gb, at most max_vram_gb."),
         io.Float.Input(
             "reserve_gb", default=1.0, min=0.0, max=1024.0, step=0.05, round=0.001,
             tooltip="With 'free VRAM minus reserve': GiB left free for other programs and ComfyUI."),
@@ -143,7 +143,8 @@ class VRAMCutMaxVRAM(io.ComfyNode):
             "Run MODEL, CLIP and VAE under one VRAM budget: each model's forward is cut at block "
             "boundaries, as many blocks stay on the GPU as fit, the rest stream in while the previous "
             "block computes. The plan is drawn on the node and updates when sampling, encoding or "
-            "decoding measures the real shapes. Results equal the unpatched model's.",
+            "decoding measures the real shapes. Results are tested bit-equal to the unpatched model's on "
+            "CPU and on a simulated GPU; VRAMCUT_VERIFY=1 checks them on yours.",
             [io.Model.Input("model", optional=True, tooltip="diffusion model to run under the budget"),
              io.Clip.Input("clip", optional=True, tooltip="text encoder(s) to run under the budget"),
              io.Vae.Input("vae", optional=True, tooltip="VAE to run under the budget (decode and encode)")],

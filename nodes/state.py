@@ -59,7 +59,8 @@ class Settings:
 
     @property
     def enabled(self) -> bool:
-        return self.budget_mode != "fixed" or self.max_vram_gb > 0
+        """0 turns VRAMCut off in both modes; with 'free VRAM minus reserve', max_vram_gb caps."""
+        return self.max_vram_gb > 0
 
     def budget_bytes(self, device: torch.device, free_memory=None) -> int:
         """The budget in bytes on ``device``: fixed, or the device's free memory less the reserve.
@@ -70,11 +71,10 @@ class Settings:
         else:
             free = int((free_memory or mm.get_free_memory)(device))
             b = free - int(self.reserve_gb * GIB)
-            if self.max_vram_gb > 0:
-                b = min(b, int(self.max_vram_gb * GIB))
             if b <= 0:
                 raise VRAMCutError(f"free VRAM {free / GIB:.3f} GiB minus reserve {self.reserve_gb:.3f} GiB leaves no budget")
-        if b <= 0 and self.budget_mode == "fixed" and self.max_vram_gb > 0:
+            b = min(b, int(self.max_vram_gb * GIB))  # max_vram_gb caps it (0 is off: never here)
+        if b <= 0 and self.max_vram_gb > 0:
             raise VRAMCutError(f"max_vram_gb = {self.max_vram_gb:g} is less than one byte: give the budget in "
                                f"GiB (6 means 6 GiB), or 0 to turn VRAMCut off")
         if b <= 0:
@@ -228,6 +228,7 @@ class PatchState:
         self.fast_disk = False   # the host streams the model from a fast disk: keep file-backed masters
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
         self.teardown_pending = False  # the host tore the model down during a forward: release after it
+        self._after_forward: list = []  # what the host's teardown left for the end of the running forward
         self.previewing = False  # a plan preview: calls reaching ``run`` give their traced plan, nothing runs
 
     def on_model_patcher_clone(self):
@@ -281,6 +282,10 @@ class PatchState:
             return False
         self.release()
         return True
+
+    def after_forward(self, fn) -> None:
+        """Call ``fn()`` once no forward runs any more (after the engines let go of the weights)."""
+        self._after_forward.append(fn)
 
     def outside(self, path: str) -> None:
         """Say on the node (and once in the log) that a call path runs outside the budget."""
@@ -355,6 +360,11 @@ class PatchState:
             if self.teardown_pending and not self.running:
                 self.teardown_pending = False
                 self.release()
+            if self._after_forward and not self.running:
+                self.release()  # the host's own tensors again, and no copy still reading them
+                todo, self._after_forward = self._after_forward, []
+                for fn in todo:
+                    fn()
 
 
 @contextlib.contextmanager

@@ -48,8 +48,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
-ROUND = 16   # a GPU allocator rounds to 512 B in 2 MB+ segments: nothing at model scale, but all
-             # there is at toy scale; the real rounding is what bench/gpu_check.py measures
+# torch's CUDA caching allocator's rounding (c10/cuda/CUDACachingAllocator.cpp): every block a
+# multiple of kMinBlockSize; a request of kMinLargeAlloc or more gets a segment of its own rounded
+# up to kRoundLarge, handed out whole unless what is left is more than kSmallSize (large blocks
+# split only then). The 2 MiB / 20 MiB segments smaller requests share are not modelled (the
+# pools here grow as arenas); bench/gpu_check.py measures the real allocator.
+ROUND = 512                  # kMinBlockSize
+SMALL_SIZE = 1 << 20         # kSmallSize
+MIN_LARGE_ALLOC = 10 << 20   # kMinLargeAlloc
+ROUND_LARGE = 2 << 20        # kRoundLarge
 NAN_FILL = 0xFF  # fresh device memory: bytes that read as NaN in float views
 
 ERR_MEMORY_ALLOCATION = 2           # cudaErrorMemoryAllocation
@@ -82,7 +89,8 @@ class _Segment:
 
 class SimAllocator:
     """Caching allocator model: a pool per stream, best fit, split and coalesce, cached until
-    ``empty_cache``. Sizes round to ``ROUND`` bytes. ``on_reuse(stream_id, block)`` is called
+    ``empty_cache``. Sizes round as torch's allocator rounds them (``ROUND`` and the large-block
+    rules above). ``on_reuse(stream_id, block)`` is called
     when freed memory is handed out again (the simulator checks it is safe)."""
 
     def __init__(self, on_reuse=None) -> None:
@@ -109,36 +117,21 @@ class SimAllocator:
         for b in seg.blocks:
             if b.free and b.size >= n and (best is None or b.size < best.size):
                 best = b
+        if best is None and n >= MIN_LARGE_ALLOC:   # a segment of its own, rounded
+            best = self._grow(seg, -(-n // ROUND_LARGE) * ROUND_LARGE, n, fresh=True)
         if best is None:
-            last = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
-            grow = n - (last.size if last else 0)
-            if self.cap is not None and self.reserved + grow > self.cap:
-                # as the caching allocator does: give back cached blocks, then fail
-                self.empty_cache()
-                last = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
-                grow = n - (last.size if last else 0)
-                if self.reserved + grow > self.cap:
-                    self.ooms += 1
-                    raise torch.OutOfMemoryError(
-                        f"CUDA out of memory (simulated). Tried to allocate {n} B; {self.reserved} B reserved "
-                        f"of the {self.cap} B this process is allowed (set_per_process_memory_fraction)")
-            if last is None:
-                last = _Block(seg, seg.size, 0, True)
-                seg.blocks.append(last)
-            last.size += grow
-            seg.size += grow
-            self.reserved += grow
-            best = last
+            best = self._grow(seg, n, n)
         if best.prev and self.on_reuse is not None:
             self.on_reuse(stream_id, best)
-        if best.size > n:
+        rest_min = SMALL_SIZE + 1 if n > SMALL_SIZE else ROUND   # torch's should_split
+        if best.size - n >= rest_min:
             rest = _Block(seg, best.off + n, best.size - n, True)
             rest.prev = list(best.prev)
             seg.blocks.insert(seg.blocks.index(best) + 1, rest)
             best.size = n
         best.free = False
         best.prev = []
-        self.allocated += n
+        self.allocated += best.size
         self.max_allocated = max(self.max_allocated, self.allocated)
         self.high_allocated = max(self.high_allocated, self.allocated)
         if self.reserved > self.max_reserved:
@@ -146,6 +139,32 @@ class SimAllocator:
             self.at_peak = self.describe()
             self.at_peak_blocks = sum(not b.free for seg in self.pools.values() for b in seg.blocks)
         return best
+
+    def _grow(self, seg: "_Segment", size: int, n: int, fresh: bool = False) -> "_Block":
+        """Reserve more for a request of ``n`` B: the pool's free tail grown to ``size`` B (or,
+        ``fresh``, a new block of ``size`` B after it)."""
+        def tail():
+            return None if fresh else (seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None)
+
+        last = tail()
+        grow = size - (last.size if last else 0)
+        if self.cap is not None and self.reserved + grow > self.cap:
+            # as the caching allocator does: give back cached blocks, then fail
+            self.empty_cache()
+            last = tail()
+            grow = size - (last.size if last else 0)
+            if self.reserved + grow > self.cap:
+                self.ooms += 1
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (simulated). Tried to allocate {n} B; {self.reserved} B reserved "
+                    f"of the {self.cap} B this process is allowed (set_per_process_memory_fraction)")
+        if last is None:
+            last = _Block(seg, seg.size, 0, True)
+            seg.blocks.append(last)
+        last.size += grow
+        seg.size += grow
+        self.reserved += grow
+        return last
 
     def describe(self) -> str:
         """Pools by stream: reserved, and the blocks in use (for a failure message)."""

@@ -1,10 +1,14 @@
-"""Host-to-device copy bandwidth, measured once per device and cached.
+"""Host-to-device copy bandwidth and matrix-product throughput, measured once per device and cached.
 
 The node estimates what streaming will cost before a run has measured it: streamed bytes per
 forward divided by the bandwidth the executor's copies get on this machine. That bandwidth is
 measured here, once per device (pinned host memory to the GPU; on CPU, a plain memory copy, which
 is what the CPU executor does), and kept in memory and in a small JSON file so the next process
 does not measure again.
+
+Beside it, ``matmul_throughput(device, dtype)`` measures floating-point operations per second of
+a square matrix product on the device in that dtype (on CPU, the CPU's), once per device and
+dtype: with the dry run's per-unit FLOP counts it gives each unit's compute time before any run.
 
 The cache file is ``$VRAMCUT_CACHE_DIR/bandwidth.json`` (default ``~/.cache/vramcut``); a cache
 that cannot be read or written only means measuring again. One rule: a figure in the cache was
@@ -25,6 +29,7 @@ CACHE_ENV = "VRAMCUT_CACHE_DIR"
 CACHE_FILE = "bandwidth.json"
 PROBE_BYTES = 64 * MIB     # large enough to reach the link's rate, small enough to be quick
 PROBE_REPEATS = 3          # the best of these is kept: the first copy pays for warm-up
+MATMUL_N = {"cuda": 4096, "cpu": 512}  # side of the probe's square matrices (CPU: quick on one core)
 
 _lock = threading.Lock()
 _memo: dict[str, dict] = {}
@@ -112,6 +117,64 @@ def host_to_device(device) -> dict:
                                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             except Exception:  # no memory for the probe, a device that went away: no estimate
                 entry = {"bytes_per_s": None, "device": key, "source": "unmeasurable"}
+        _memo[key] = entry
+        return dict(entry)
+
+
+def measure_matmul(device, dtype=torch.float32, n: int | None = None, repeats: int = PROBE_REPEATS) -> float:
+    """Floating-point operations per second of an ``n`` x ``n`` matrix product on ``device`` in
+    ``dtype`` (best of ``repeats``, after one warm-up product; 2 n^3 operations each)."""
+    dev = torch.device(device)
+    n = int(n or MATMUL_N.get(dev.type, MATMUL_N["cpu"]))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=dev, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=dev, dtype=dtype)
+    out = torch.empty(n, n, device=dev, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm-up: kernel selection, first-touch pages
+    best = float("inf")
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            torch.mm(a, b, out=out)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / max(best, 1e-9)
+
+
+def matmul_key(device, dtype) -> str:
+    return f"matmul:{device_key(device)}:{str(dtype).replace('torch.', '')}"
+
+
+def matmul_throughput(device, dtype=torch.float32) -> dict:
+    """``{"flops_per_s", "device", "dtype", "source"}`` for a matrix product on ``device`` in
+    ``dtype``: from memory, the cache file, or measured now, as ``host_to_device``.
+    ``flops_per_s`` is None when it could not be measured."""
+    key = matmul_key(device, dtype)
+    dt = str(dtype).replace("torch.", "")
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
+        cached = _read_cache().get(key)
+        if isinstance(cached, dict) and isinstance(cached.get("flops_per_s"), (int, float)) \
+                and cached["flops_per_s"] > 0:
+            entry = {"flops_per_s": float(cached["flops_per_s"]), "device": device_key(device), "dtype": dt,
+                     "source": "cache"}
+        else:
+            try:
+                fps = measure_matmul(device, dtype)
+                entry = {"flops_per_s": fps, "device": device_key(device), "dtype": dt, "source": "measured"}
+                _write_cache(key, {"flops_per_s": fps, "n": MATMUL_N.get(torch.device(device).type),
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            except Exception:  # a dtype the device cannot multiply, no memory: no estimate
+                entry = {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": "unmeasurable"}
         _memo[key] = entry
         return dict(entry)
 

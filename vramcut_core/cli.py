@@ -1,4 +1,7 @@
-"""Command line: ``python -m vramcut_core plan FILE --max-vram GIB`` and ``... demo``."""
+"""Command line: ``python -m vramcut_core plan FILE --max-vram GIB`` and ``... demo``.
+
+``plan FILE --devices cuda:0=8,cuda:1=8`` places the model across devices instead, one budget
+each (``placement.place``): one row per device, the hops between them."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan a .safetensors or .gguf model from its header (no weights read); "
                                      "an all-in-one checkpoint is planned per component (MODEL, CLIP, VAE)")
     pl.add_argument("model", help="path to a .safetensors or .gguf file (quantized: stored bytes)")
-    pl.add_argument("--max-vram", required=True, metavar="GIB", help="VRAM budget in GiB")
+    pl.add_argument("--max-vram", metavar="GIB", help="VRAM budget in GiB (one device)")
+    pl.add_argument("--devices", metavar="DEV=GIB,...",
+                    help="plan across devices, a budget each in GiB, in the order the forward visits them "
+                         "(e.g. cuda:0=8,cuda:1=8); instead of --max-vram")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--no-prefetch", action="store_true", help="one streaming slot, no overlap")
     pl.add_argument("--no-residency", action="store_true", help="stream every unit")
@@ -37,9 +43,17 @@ def _plan(a) -> int:
 
     from .gguf_header import is_gguf, read_gguf_header
 
-    budget = gib_to_bytes(a.max_vram)
+    if (a.max_vram is None) == (a.devices is None):
+        raise ValueError("give one of --max-vram GIB or --devices DEV=GIB,...")
+    devices = None
+    if a.devices is not None:
+        from .placement import parse_devices
+        devices = parse_devices(a.devices)  # "free" refused here: no device is queried
+    budget = gib_to_bytes(a.max_vram) if devices is None else None
     header = read_gguf_header(a.model) if is_gguf(a.model) else read_header(a.model)
     opts = PlanOptions(prefetch=not a.no_prefetch, residency=not a.no_residency)
+    if devices is not None:
+        return _place(a, header, devices, opts)
     comps, rest = split_components(header)
     if len(comps) > 1:
         return _plan_components(a, comps, rest, budget, opts)
@@ -49,6 +63,51 @@ def _plan(a) -> int:
     else:
         print(plan_to_text(plan, title=f"{a.model}: {len(units)} units, weights only, "
                                        f"stored bytes ({_kinds(header)})"))
+    return 0
+
+
+def _place(a, header: dict, devices, opts: PlanOptions) -> int:
+    """The model's header placed across ``devices``: a row per device, the hops between them."""
+    from .placement import place
+    from .safetensors_plan import plan_units_from_header
+    from .tensors import fmt_bytes
+
+    from .safetensors_plan import split_components
+
+    comps, _ = split_components(header)
+    if len(comps) > 1:
+        raise ValueError(f"{a.model}: --devices places one model; this checkpoint holds "
+                         f"{', '.join(c.name for c in comps)} (plan it with --max-vram)")
+    units = plan_units_from_header(header)
+    if not units:
+        raise ValueError(f"{a.model}: holds no tensors")
+    p = place(units, devices, opts)
+    if a.json:
+        print(dumps({
+            "devices": [{"device": d.device, "budget_bytes": d.budget_bytes,
+                         "units": [u.name for u in units[d.first:d.stop]],
+                         "plan": plan_to_json(d.plan) if d.plan is not None else None} for d in p.devices],
+            "hops": [{"from": h.src, "to": h.dst, "before_unit": h.unit, "bytes": h.bytes} for h in p.hops],
+            "host_bytes_per_forward": p.host_bytes_per_forward,
+            "hop_bytes_known": p.hop_bytes_known,
+        }))
+        return 0
+    out = [f"{a.model}: {len(units)} units on {len(devices)} devices, weights only, stored bytes ({_kinds(header)})"]
+    for d in p.devices:
+        if d.plan is None:
+            out.append(f"  {d.device:<8} budget {fmt_bytes(d.budget_bytes):>10}  (no units)")
+            continue
+        pl = d.plan
+        first, last = units[d.first].name, units[d.stop - 1].name
+        out.append(f"  {d.device:<8} budget {fmt_bytes(d.budget_bytes):>10}  peak {fmt_bytes(pl.peak_bytes):>10}  "
+                   f"resident {fmt_bytes(pl.resident_bytes)}  window {fmt_bytes(pl.window_bytes)}  "
+                   f"streamed/forward {fmt_bytes(pl.streamed_bytes_per_forward)}  "
+                   f"units {first} … {last} ({d.stop - d.first})")
+    for h in p.hops:
+        size = fmt_bytes(h.bytes) if p.hop_bytes_known else "not measured (weights only)"
+        out.append(f"  hop {h.src} -> {h.dst} before {h.unit}: {size}")
+    out.append(f"host-link bytes per forward: {fmt_bytes(p.host_bytes_per_forward)} · hops per forward: {len(p.hops)}")
+    print("\n".join(out))
     return 0
 
 

@@ -89,12 +89,13 @@ class Engine:
                                           track_cpu_memory=config.track_cpu_memory, module=module,
                                           keep_file_backed=config.keep_file_backed)
         self.planner.unit_bytes = self.executor.unit_device_bytes
+        self.planner.block_bytes = self.executor.memory.block_bytes
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
         self._failed: dict[tuple, BudgetError] = {}
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
         self.traces: dict[tuple, TraceResult] = {}  # the dry run's profile per input signature
-        self._replanned: set[tuple] = set()  # signatures a steady forward's peak sent back to measuring
+        self._replanned: dict[tuple, str] = {}  # signatures a steady forward's peak sent back to measuring: why
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
         self.stats = RunStats()
@@ -286,6 +287,10 @@ class Engine:
                                                        fn, args, kwargs)
                 meas = self.measurements[sig] = _grown(self.measurements.get(sig), meas)
                 plan = self.planner.measured_plan(meas, source)
+                why = self._replanned.get(sig)
+                if why:  # the node shows why this shape was planned again (the new plan only)
+                    plan = dataclasses.replace(plan, warnings=plan.warnings + (f"planned again: {why}",))
+                    self._replanned[sig] = ""
             except BudgetError as e:
                 self._failed[sig] = e  # the same input will not fit next time either
                 raise
@@ -301,14 +306,16 @@ class Engine:
         self._record(plan, sig, stats)
         self.steady_stats.add(stats)
         if stats.peak_device_bytes > self.config.budget_bytes and sig not in self._replanned:
-            # the host or the input behaved differently from the measured forward: measure the
-            # next forward again and plan from the larger figures, once (a plan must stay stable)
-            self._replanned.add(sig)
+            # the host or the input behaved differently from the measured forward (a temporary
+            # inside a block grew): measure the next forward again and plan from the larger
+            # figures, once (a plan must stay stable)
+            why = (f"forward {self.stats.forwards} ({describe_signature(sig)}) peaked at "
+                   f"{fmt_bytes(stats.peak_device_bytes)}, above the budget {fmt_bytes(self.config.budget_bytes)}")
+            self._replanned[sig] = why
             del self._plans[sig]
             self.traces.pop(sig, None)  # the dry run runs the host's code again too
-            log.warning("VRAMCut: a forward (%s) peaked at %s, above the budget %s; the next one measures "
-                        "again and plans once more", describe_signature(sig), fmt_bytes(stats.peak_device_bytes),
-                        fmt_bytes(self.config.budget_bytes))
+            log.warning("VRAMCut: %s; the next one measures again and plans once more", why)
+        return out
         return out
 
     def _steady(self, sig: tuple, plan: Plan) -> Plan:

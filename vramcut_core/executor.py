@@ -181,7 +181,7 @@ class SegmentedExecutor:
         try:
             self._release_others()
             if self.cuda:
-                start_ev = ms.start_cuda(measure or plan is not self._last_plan)
+                start_ev = ms.start_cuda()
             self._last_plan = self._plan = plan
             resumed = self.binding.resume(plan, not measure and not self._stale_copies)
             if not resumed:
@@ -190,7 +190,7 @@ class SegmentedExecutor:
                 ms.base = torch.cuda.memory_allocated(self.device) - self.device_bytes
             ms.make_meter(measure, self.track_cpu_memory, self._check_live)
             # inputs count as activations; walked only when measuring (not on every forward)
-            ms.input_bytes = _input_bytes(args, kwargs, self.device) if ms.meter is not None else 0
+            ms.input_bytes = _input_bytes(args, kwargs, self.device, self.memory.buffer_bytes) if ms.meter is not None else 0
             if ms.meter is not None:
                 ms.meter.start()
             if self.cuda:
@@ -389,8 +389,9 @@ class SegmentedExecutor:
         self.measuring.check_live(self._running, self._current, live)
 
 
-def _input_bytes(args, kwargs, device: torch.device) -> int:
-    """Bytes of the tensors passed into the forward that live on the compute device."""
+def _input_bytes(args, kwargs, device: torch.device, size=lambda n: n) -> int:
+    """Bytes of the tensors passed into the forward that live on the compute device (each
+    storage as ``size`` counts it: the allocator's rounding on CUDA)."""
     from torch.utils._pytree import tree_flatten
 
     flat, _ = tree_flatten((args, kwargs))
@@ -403,5 +404,5 @@ def _input_bytes(args, kwargs, device: torch.device) -> int:
                 continue
             if ptr not in seen:
                 seen.add(ptr)
-                total += t.untyped_storage().nbytes()
+                total += size(t.untyped_storage().nbytes())
     return total

@@ -69,6 +69,9 @@ class UnitMeasurement:
     peak_bytes: int
     calls: int = 1  # separate entries in one forward (a video VAE runs its decoder per frame)
     modules: frozenset = frozenset()  # ids of the unit's modules that ran
+    # floating-point operations from its entry until the next unit's, all passes together; None
+    # where nothing counted them (only the dry run does, see ``trace``)
+    flops: int | None = None
 
     @property
     def activation_bytes(self) -> int:
@@ -85,8 +88,15 @@ def joint_measurements(runs: list[dict[str, UnitMeasurement]]) -> dict[str, Unit
     if any(list(r) != order for r in runs[1:]):
         return None
     return {n: UnitMeasurement(max(r[n].entry_bytes for r in runs), max(r[n].peak_bytes for r in runs),
-                               max(r[n].calls for r in runs), frozenset().union(*(r[n].modules for r in runs)))
+                               max(r[n].calls for r in runs), frozenset().union(*(r[n].modules for r in runs)),
+                               _most(r[n].flops for r in runs))
             for n in order}
+
+
+def _most(values) -> int | None:
+    """The largest of counts that are all known, else None."""
+    values = list(values)
+    return None if any(v is None for v in values) else max(values, default=None)
 
 
 def record_entry(meas: dict[str, UnitMeasurement], name: str, live: int) -> None:

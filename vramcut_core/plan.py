@@ -47,6 +47,7 @@ GIB_ROUND = 0.001      # the max_vram_gb widget's precision ("round" in nodes/ma
 
 # Why a minimum budget is only a lower bound (the message says so in these words).
 WEIGHTS_ALONE = "weights alone: the activations of the input come on top"
+NO_PREFETCH = "budget leaves no room for prefetch: each streamed segment is copied, then run"
 STOPPED = "the forward could not be traced, and the measuring forward stopped before it saw every unit"
 
 
@@ -98,6 +99,9 @@ class PlanUnit:
     pinned: bool = False
     entered: bool = True
     calls: int = 1  # times a forward enters it; a streamed unit is copied that often
+    # seconds of compute per forward, all passes together; None when not known (then residency
+    # is chosen by bytes, never by time: see ``timeline``)
+    compute_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +119,8 @@ class Segment:
 class PlanOptions:
     prefetch: bool = True   # two streaming slots: the next unit is copied while one computes
     residency: bool = True  # keep as many units resident as fit
+    block_bytes: int = 1    # the device allocator's block size: a grown slot is a multiple of it
+                            # (unit figures come rounded), so the plan's figures are the allocator's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +327,7 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
     if not base:
         return resident, slots, 0  # nothing a forward enters streams
     grown = min(int(spare * WINDOW_SHARE), (room + slots * suffix[best]) // slots)
+    grown -= grown % options.block_bytes
     return resident, slots, max(base, grown)
 
 
@@ -357,6 +364,14 @@ def build_plan(units: Sequence[PlanUnit], budget: int, options: PlanOptions = Pl
     if not units:
         return Plan(budget, (), (), 0, 0, False, tuple(split), tuple(warnings))
     resident, slots, slot_bytes = choose_residency(units, budget, options)
+    return plan_from_residency(units, budget, options, resident, slots, slot_bytes, split, warnings)
+
+
+def plan_from_residency(units: Sequence[PlanUnit], budget: int, options: PlanOptions, resident: set[int],
+                        slots: int, slot_bytes: int, split: Sequence[str] = (), warnings: Sequence[str] = ()
+                        ) -> Plan:
+    """The plan with this residency and window: resident runs merged, streamed units merged into
+    ``slot_bytes`` (``merge_streamed``). The caller has checked that it fits ``budget``."""
     measured = all(u.peak_bytes is not None for u in units)
     fixed = sum(units[i].weight_bytes for i in resident) + slots * slot_bytes
 
@@ -368,7 +383,7 @@ def build_plan(units: Sequence[PlanUnit], budget: int, options: PlanOptions = Pl
     segs = [seg_of(idx, res) for idx, res in merge_streamed(units, resident, slot_bytes)]
     notes = list(warnings)
     if options.prefetch and slots == 1:
-        notes.append("budget leaves no room for prefetch: each streamed segment is copied, then run")
+        notes.append(NO_PREFETCH)
     return Plan(budget, tuple(units), tuple(segs), slots, slot_bytes, measured, tuple(split), tuple(notes))
 
 

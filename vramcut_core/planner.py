@@ -29,6 +29,7 @@ class UnitPlanner:
         self.module = module
         self.config = config          # the engine's EngineConfig (replaced when the budget changes)
         self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (set by the engine)
+        self.block_bytes = 1          # the device allocator's block size (set by the engine)
         self.unitset: UnitSet = find_units(module, config.family)
         self.all: dict[str, Unit] = {}
         self.parent: dict[str, str] = {}
@@ -49,6 +50,11 @@ class UnitPlanner:
             self.unitset.warnings.append(
                 f"weights in {', '.join(fmts)} cannot be taken apart: they are moved one by one "
                 "beside the streaming slots (still counted in the budget)")
+
+    @property
+    def options(self) -> PlanOptions:
+        """The config's plan options, with the device allocator's block size."""
+        return dataclasses.replace(self.config.options, block_bytes=self.block_bytes)
 
     def unit(self, name: str) -> Unit:
         return self.all[name]
@@ -103,7 +109,7 @@ class UnitPlanner:
     def weight_plan(self, options: PlanOptions | None = None) -> Plan:
         """The plan from weights alone (structural order, activations not measured)."""
         units = [self.plan_unit(u, None) for u in self.unitset.units]
-        return make_plan(units, self.config.budget_bytes, options or self.config.options,
+        return make_plan(units, self.config.budget_bytes, options or self.options,
                          lambda n: self.split(n, None), self.unitset.warnings)
 
     def measuring_plan(self, cap: int) -> Plan:
@@ -165,7 +171,7 @@ class UnitPlanner:
             # re-send streamed weights on every pass: keep the looped units resident if they fit.
             units = [self.plan_unit(self.all[n], meas, pin=n in looped) for n in order]
             try:
-                return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.config.options,
+                return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options,
                                                      split, self.unitset.warnings), source=source)
             except BudgetError:
                 pass
@@ -175,7 +181,7 @@ class UnitPlanner:
             worst = max(meas[n].calls for n in looped)
             notes.append(f"the forward enters {len(looped)} units up to {worst} times; what streams is "
                          f"copied on every pass (a larger budget keeps them resident)")
-        return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.config.options, split, notes),
+        return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options, split, notes),
                                    source=source)
 
 

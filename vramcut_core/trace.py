@@ -10,6 +10,13 @@ on every module that reads a unit's tensors), so each figure means what ``UnitMe
 means there: live bytes at entry, the most live bytes until the next unit is entered, how many
 separate entries. The planner takes the result exactly like measurements.
 
+The same run counts each unit's floating-point operations with torch's ``FlopCounterMode``
+(matrix products, convolutions, attention: the operators that decide compute time; elementwise
+operators are not counted). A unit's ``flops`` are what ran from its entry until the next unit's
+entry, all passes together (what ran before the first unit goes to the first unit), so the units'
+counts add up to the forward's. ``timeline.unit_seconds`` turns them into seconds with the
+throughput ``bandwidth.matmul_throughput`` measured on this machine.
+
 The one rule: the user's model is never changed. Fake weights are set into the registries the
 units record and the originals put back in ``finally``; attributes and registrations the fake
 forward adds or replaces are undone too. A forward that cannot run on fakes (a data-dependent
@@ -88,7 +95,8 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
                     swapped.append((r, r.get()))
                     r.set(fake)
         _keep_fakes_in_place(module)
-        tracker = _UnitTracker(dev)
+        flops = _flop_counter()
+        tracker = _UnitTracker(dev, flops)
         flat, _ = tree_flatten((fake_args, fake_kwargs))
         inputs = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type == dev.type]
         if inputs:
@@ -103,7 +111,7 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
         # The alias guard the CPU meter needs for GGUF weights (see measure._PlainAlias).
         _active.depth = getattr(_active, "depth", 0) + 1
         try:
-            with mode, _PlainAlias(), tracker:
+            with mode, _PlainAlias(), flops, tracker:
                 root()
         finally:
             _active.depth -= 1
@@ -118,6 +126,20 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
         for r, orig in reversed(swapped):
             r.set(orig)
         state.restore()
+
+
+def _flop_counter():
+    """torch's FLOP counter, silent, with its own attention formula also for the CPU kernel (a dry
+    run on CPU dispatches ``_scaled_dot_product_flash_attention_for_cpu``, which torch's registry
+    does not list; its count is the same as the flash kernel's)."""
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+
+    def cpu_attention(query_shape, key_shape, value_shape, *_args, out_shape=None, **_kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)  # torch's formula, on shapes
+
+    cpu_sdpa = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    extra = {cpu_sdpa: cpu_attention} if cpu_sdpa is not None and cpu_sdpa not in flop_registry else {}
+    return FlopCounterMode(display=False, custom_mapping=extra)
 
 
 def _first_line(e: Exception) -> str:
@@ -214,9 +236,11 @@ class _UnitTracker(_tracker_base()):
     ``_update_peak_stats`` is MemTracker's per-operator callback; it is replaced whole because its
     per-module local peaks (a walk over every module at every operator) are not used here."""
 
-    def __init__(self, dev: torch.device) -> None:
+    def __init__(self, dev: torch.device, flops=None) -> None:
         super().__init__()
         self._dev_type = dev.type
+        self._flops = flops      # a FlopCounterMode: its total is read at each unit switch
+        self._flops_seen = 0     # the total already given to a unit
         self._meas: dict[str, UnitMeasurement] = {}
         self._modules: set[int] = set()
         self._current: str | None = None
@@ -252,11 +276,17 @@ class _UnitTracker(_tracker_base()):
         self._current = name
         self._window = live = self._live()
         record_entry(self._meas, name, live)  # as the executor's measuring forward records it
+        if self._flops is not None and self._meas[name].flops is None:
+            self._meas[name].flops = 0
 
     def _close(self) -> None:
         if self._current is not None:
             m = self._meas[self._current]
             m.peak_bytes = max(m.peak_bytes, self._window)
+            if self._flops is not None:  # what ran since the last switch (before the first: too)
+                total = self._flops.get_total_flops()
+                m.flops += total - self._flops_seen
+                self._flops_seen = total
 
     def finish(self, units: Sequence[Unit]) -> dict[str, UnitMeasurement]:
         self._close()

@@ -191,6 +191,13 @@ def test_budget_zero_passes_through_and_bad_values_are_clear(comfy, max_vram, pa
     ref = tm.sample(model, pos, neg, (1, 16, 8, 8), steps=1)
     (out, _, _), payload = max_vram(0.0, model=model)
     assert out is model and "off" in payload["message"]
+    # 0 is off in 'free VRAM minus reserve' too (there a value above 0 caps the budget)
+    (out, _, _), payload = max_vram(0.0, model=model, budget_mode="free VRAM minus reserve")
+    assert out is model and "off" in payload["message"] and payload["enabled"] is False
+    (out, _, _), payload = max_vram(1024.0, model=model, budget_mode="free VRAM minus reserve", reserve_gb=0.0)
+    assert out is not model and payload["enabled"] is True
+    with pytest.raises(ValueError, match="less than one byte"):
+        max_vram(1e-12, model=model, budget_mode="free VRAM minus reserve", reserve_gb=0.0)
     with pytest.raises(ValueError, match="max_vram_gb must not be negative"):
         max_vram(-1.0, model=model)
     with pytest.raises(ValueError, match="max_vram_gb must be a number"):

@@ -142,14 +142,25 @@ def load_unet(name):
 GGUF_DIR = "ComfyUI-GGUF"
 
 
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
 def gguf_pack():
-    """The ComfyUI-GGUF package from the host's custom_nodes, imported as ComfyUI imports it;
-    skips with the reason when it (or the ``gguf`` package) is missing."""
-    pytest.importorskip("gguf", reason="the gguf package (PyPI) is not installed")
+    """The ComfyUI-GGUF package from the host's custom_nodes, imported as ComfyUI imports it.
+    Without the pack the GGUF tests skip and say why, except under CI (``CI=true``), where they
+    fail; with the pack but without the ``gguf`` package (which the pack needs) they always fail."""
     root = tm.comfyui_path()
     path = os.path.join(root, "custom_nodes", GGUF_DIR)
     if not os.path.isfile(os.path.join(path, "__init__.py")):
-        pytest.skip(f"ComfyUI-GGUF is not unpacked in {os.path.join('$COMFYUI_PATH', 'custom_nodes', GGUF_DIR)}")
+        why = f"ComfyUI-GGUF is not unpacked in {os.path.join('$COMFYUI_PATH', 'custom_nodes', GGUF_DIR)}"
+        if _in_ci():
+            pytest.fail(f"{why} (CI installs it)")
+        pytest.skip(why)
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"ComfyUI-GGUF is in custom_nodes but the gguf package it needs is not installed: {e}")
     name = "ComfyUI_GGUF_under_test"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
@@ -300,8 +311,13 @@ def test_quantized_model_samples_bit_exact_with_stored_bytes_in_budget(quantized
           f" weights on device {stats['peak_weight_bytes']}")
 
 
+LORA_ROOM = 2 << 20
+
+
+# nvfp4 with a LoRA is not here: on CPU its dequantised, patched layers need activations the
+# tiny model's streaming budgets do not hold (the measuring forward is refused); not yet tested.
 @pytest.mark.parametrize("order", ["lora_then_vramcut", "vramcut_then_lora"])
-@pytest.mark.parametrize("quantized", ["fp8_scaled", "gguf_Q8_0"], indirect=True)
+@pytest.mark.parametrize("quantized", [f for f in FORMATS if f != "nvfp4"], indirect=True)
 def test_quantized_lora_before_or_after_the_node(quantized, order, max_vram):
     import comfy.sd
 
@@ -311,14 +327,43 @@ def test_quantized_lora_before_or_after_the_node(quantized, order, max_vram):
     ref = _ksample(with_lora, pos, neg)
     plain = _ksample(model, pos, neg)
     assert not torch.equal(ref, plain), "the LoRA must matter"
+    # room for the activations of a layer whose weights are dequantised and patched on the fly
+    # (the dry run cannot trace every format with a LoRA: the measuring forward then needs it)
+    gb = budget_for(model) + LORA_ROOM / GIB
     if order == "lora_then_vramcut":
-        (patched, _, _), _ = max_vram(budget_for(model), model=with_lora)
+        (patched, _, _), payload = max_vram(gb, model=with_lora)
     else:
-        (p0, _, _), _ = max_vram(budget_for(model), model=model)
+        (p0, _, _), payload = max_vram(gb, model=model)
         patched, _ = comfy.sd.load_lora_for_models(p0, None, lora, 1.0, 0)
         assert type(patched) is type(p0), "clones keep the VRAMCut patcher (and the loader's own)"
     assert torch.equal(_ksample(patched, pos, neg), ref), fmt
     assert torch.equal(_ksample(model, pos, neg), plain), "the plain model must stay plain"
+    assert payload["models"][0]["plan"]["streamed_bytes_per_forward"] > 0, "the budget must stream"
+
+
+@pytest.mark.parametrize("order", ["no_lora", "lora_then_vramcut", "vramcut_then_lora"])
+def test_fp8_weight_dtype_of_the_unet_loader_samples_bit_exact(comfy, tmp_path, max_vram, order):
+    """Plain fp8: a full-precision checkpoint loaded by UNETLoader with ``weight_dtype`` fp8_e4m3fn
+    (the host casts the weights at load and computes in a wider dtype)."""
+    import comfy.sd
+    from nodes import UNETLoader
+
+    sd = tm.tiny_sd3_state_dict(depth=DEPTH, seed=0)
+    model = UNETLoader().load_unet(save_unet(tmp_path, "tiny_sd3_full.safetensors", sd), "fp8_e4m3fn")[0]
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.model.diffusion_model.parameters()), \
+        "the loader did not store fp8 weights"
+    pos, neg = tm.tiny_sd3_conditioning()
+    lora = tm.tiny_lora_for(sd, seed=3)
+    ref_model = model if order == "no_lora" else comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+    ref = _ksample(ref_model, pos, neg)
+    if order == "vramcut_then_lora":
+        (p0, _, _), payload = max_vram(budget_for(model), model=model)
+        patched = comfy.sd.load_lora_for_models(p0, None, lora, 1.0, 0)[0]
+    else:
+        (patched, _, _), payload = max_vram(budget_for(model), model=ref_model)
+    assert torch.equal(_ksample(patched, pos, neg), ref), order
+    plan = payload["models"][0]["plan"]
+    assert plan["streamed_bytes_per_forward"] > 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""Key names and shapes of real all-in-one checkpoints (SD1.5, SDXL), for header-only files.
+"""Key names and shapes of real checkpoints (SD1.5, SDXL all-in-one; Flux.1-dev), for header-only files.
 
 Each function returns ``{key: (dtype, shape)}`` as the original checkpoints hold them: the LDM
 UNet (``model.diffusion_model.``), the text encoders (SD1.5's CLIP-L under ``cond_stage_model.``;
 SDXL's CLIP-L and OpenCLIP-G under ``conditioner.embedders.0/1.``) and the KL VAE
 (``first_stage_model.``). The channel bookkeeping follows the LDM ``UNetModel`` constructor, so
 block counts and sizes are the real ones (an SD1.5 fp16 UNet is 1.6 GiB, SDXL's 4.8 GiB).
+``flux_dev`` is the released ``flux1-dev.safetensors`` (bf16, no prefix): every key and shape, as
+ComfyUI's own Flux class builds them at that configuration (checked by a test against the host).
 """
 from __future__ import annotations
 
@@ -202,3 +204,34 @@ def sdxl_components() -> dict[str, dict]:
         "VAE": kl_vae("first_stage_model."),
         "rest": {},
     }
+
+
+def flux_dev(prefix="", dt="BF16", d=3072, mlp=4, heads=24, n_double=19, n_single=38, ctx=4096, vec=768):
+    """Flux.1-dev's transformer: 19 double blocks, 38 single blocks, 11.9 B parameters."""
+    e: dict = {}
+    head = d // heads
+    _lin(e, f"{prefix}img_in", d, 64, dt)
+    for emb, i in (("time_in", 256), ("vector_in", vec), ("guidance_in", 256)):
+        _lin(e, f"{prefix}{emb}.in_layer", d, i, dt)
+        _lin(e, f"{prefix}{emb}.out_layer", d, d, dt)
+    _lin(e, f"{prefix}txt_in", d, ctx, dt)
+    for i in range(n_double):
+        for s in ("img", "txt"):
+            k = f"{prefix}double_blocks.{i}.{s}"
+            _lin(e, f"{k}_mod.lin", 6 * d, d, dt)
+            _lin(e, f"{k}_attn.qkv", 3 * d, d, dt)
+            e[f"{k}_attn.norm.query_norm.scale"] = (dt, [head])
+            e[f"{k}_attn.norm.key_norm.scale"] = (dt, [head])
+            _lin(e, f"{k}_attn.proj", d, d, dt)
+            _lin(e, f"{k}_mlp.0", mlp * d, d, dt)
+            _lin(e, f"{k}_mlp.2", d, mlp * d, dt)
+    for i in range(n_single):
+        k = f"{prefix}single_blocks.{i}"
+        _lin(e, f"{k}.linear1", 3 * d + mlp * d, d, dt)
+        _lin(e, f"{k}.linear2", d, d + mlp * d, dt)
+        e[f"{k}.norm.query_norm.scale"] = (dt, [head])
+        e[f"{k}.norm.key_norm.scale"] = (dt, [head])
+        _lin(e, f"{k}.modulation.lin", 3 * d, d, dt)
+    _lin(e, f"{prefix}final_layer.linear", 64, d, dt)
+    _lin(e, f"{prefix}final_layer.adaLN_modulation.1", 2 * d, d, dt)
+    return e

@@ -23,7 +23,7 @@ def test_gpu_check_dry_prints_every_key_and_no_figure():
     res = json.loads(p.stdout)
     assert res["dry"] is True and res["device"] is None
     assert set(res) >= {"register", "bandwidth", "sanitizer", "forwards", "sessions", "offload", "checks"}
-    assert set(res["checks"]) == {"kitchen", "replan", "teardown", "alternating", "second_gpu", "compiler",
+    assert set(res["checks"]) == {"kitchen", "replan", "outgrow", "teardown", "alternating", "second_gpu", "compiler",
                                   "file_backed"}
     assert set(res["register"]) == {"registered", "register_s_per_gb", "unregister_s_per_gb",
                                     "failed_register_leaves_pending_error", "executor_clears_it"}
@@ -57,3 +57,25 @@ def test_file_backed_check_runs_on_the_simulated_accelerator(monkeypatch):
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res
     assert res["file_backed"]["page_locked_bytes"] > 0 and res["flat_masters"]["flat_masters"] > 0
+
+
+def test_outgrow_check_runs_on_the_simulated_accelerator(monkeypatch):
+    """The GPU check of a steady forward that outgrows its plan, small, on the simulated
+    accelerator: seen, re-planned once, later forwards within the budget."""
+    import gc
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_check
+    from sim_cuda import simulated_cuda
+
+    with simulated_cuda(monkeypatch) as sim:
+        monkeypatch.setattr(gpu_check._SyncCounter, "NAMES", ((torch.cuda, "synchronize"), (torch.cuda, "empty_cache")))
+        with torch.no_grad():
+            res = gpu_check.check_outgrow(torch.device("cuda"), d=32, depth=8, tokens=8,
+                                          inputs_on=torch.device("cpu"), host=sim.host_memory)
+        gc.collect()
+    assert not sim.hazards, sim.hazards[:5]
+    assert res["ok"], res
+    assert res["over_budget_forwards"] == 1

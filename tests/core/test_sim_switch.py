@@ -6,6 +6,9 @@ stream, event or device synchronize) and must not call ``empty_cache`` (a device
 synchronisation under ``cudaMallocAsync``, the default allocator of cu130 builds). Outputs stay
 bit-equal and the reserved peak within the budget over the whole run.
 """
+import gc
+import weakref
+
 import torch
 
 from test_sim_cuda import budget_for, cuda_engine, fresh_peak, reserved_peak_within, sim  # noqa: F401
@@ -70,6 +73,72 @@ def test_alternating_shapes_whose_plans_differ_no_host_sync_no_empty_cache(sim):
     assert over is None, over
     assert syncs == 0, f"{syncs} host syncs per steady forward"
     assert caches == 0, f"{caches} empty_cache calls per steady forward"
+
+
+def step_collecting_a_released_engine(sim):
+    """Host syncs of one steady forward of an engine while another engine on the same model (run
+    once, released, dropped) is collected inside it, from a block's forward hook, as Python's
+    cycle collector may do at any allocation; and whether its finalizers ran there."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(FluxLike(d=48))
+        a, _ = shapes("same")
+    with torch.no_grad():
+        budget = budget_for(model, *a)
+        other = [cuda_engine(model, budget)]
+        other[0].run(model, *a)
+        other[0].release()
+        gone = weakref.ref(other[0].executor.transfers)
+        eng = cuda_engine(model, budget)
+        with eng.session():
+            for _ in range(2):
+                eng.run(model, *a)
+            collected = []
+
+            def collect(*_):
+                if other:
+                    other.clear()
+                    gc.collect()
+                    collected.append(gone() is None)
+
+            hook = model.double_blocks[1].register_forward_pre_hook(collect)
+            try:
+                before = sim.host_syncs
+                eng.run(model, *a)
+                syncs = sim.host_syncs - before
+            finally:
+                hook.remove()
+    return syncs, collected
+
+
+def test_a_released_engine_collected_inside_another_engines_step_does_not_sync(sim):
+    syncs, collected = step_collecting_a_released_engine(sim)
+    assert collected == [True], "the dropped engine's transfers were not collected inside the step"
+    assert syncs == 0, f"{syncs} host syncs in a steady step that collected a released engine"
+
+
+def test_an_engine_collected_with_a_copy_in_flight_waits_for_it(sim):
+    """The other side of the finalizer: an engine dropped without release, its next prefetch
+    still queued on the copy stream, blocks the host until that copy lands before its buffers go."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(FluxLike(d=48))
+        a, _ = shapes("same")
+    with torch.no_grad():
+        budget = budget_for(model, *a)
+        keeper = cuda_engine(model, budget)  # shares the host masters: their finalizers stay out
+        keeper.run(model, *a)
+        keeper.release()
+        other = [cuda_engine(model, budget)]
+        other[0].keep_buffers(True)
+        for _ in range(3):  # measured, then planned: a planned forward ends prefetching the next
+            other[0].run(model, *a)
+        stream = other[0].executor.transfers.copy_stream
+        assert not stream.query(), "the forward should end with the next prefetch queued"
+        before = sim.host_syncs
+        other.clear()
+        gc.collect()
+        assert stream.query() and sim.host_syncs > before
+        assert not sim.hazards, sim.hazards
+        del keeper
 
 
 def test_joint_measurements_take_the_most_of_each_unit_and_refuse_other_units():

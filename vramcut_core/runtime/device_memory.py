@@ -20,6 +20,25 @@ from ..units import Unit
 from .layout import Layout, layout_of
 
 
+# torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block is a multiple
+# of kMinBlockSize; a request of kMinLargeAlloc or more gets a segment of its own, rounded up to
+# kRoundLarge (smaller ones share 2 MiB / 20 MiB segments with other blocks)
+K_MIN_BLOCK_SIZE = 512
+K_SMALL_SIZE = 1 << 20
+K_MIN_LARGE_ALLOC = 10 << 20
+K_ROUND_LARGE = 2 << 20
+
+
+def alloc_size(nbytes: int) -> int:
+    """The device bytes a buffer of ``nbytes`` takes in the caching allocator: what its
+    statistics report for it (a large buffer's whole segment), and what a plan counts."""
+    if nbytes <= 0:
+        return 0
+    if nbytes >= K_MIN_LARGE_ALLOC:
+        return -(-nbytes // K_ROUND_LARGE) * K_ROUND_LARGE
+    return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+
+
 def _placement(device: torch.device) -> torch.device:
     """Where tensors for ``device`` are created: the device itself (a simulated accelerator in the
     tests maps it to host memory)."""
@@ -78,8 +97,18 @@ class DeviceMemory:
         return lay
 
     def unit_bytes(self, name: str) -> int:
+        """A unit's device bytes as the allocator counts them (its flat buffer rounded on CUDA)."""
         lay = self.layout(name)
-        return lay.nbytes + lay.other_bytes
+        return self.buffer_bytes(lay.nbytes) + lay.other_bytes
+
+    def buffer_bytes(self, nbytes: int) -> int:
+        """What a buffer of ``nbytes`` counts for: the allocator's rounding on CUDA."""
+        return alloc_size(nbytes) if self.cuda else nbytes
+
+    @property
+    def block_bytes(self) -> int:
+        """The granularity of the allocator's blocks (a plan's slot size is a multiple of it)."""
+        return K_MIN_BLOCK_SIZE if self.cuda else 1
 
     def group_bytes(self, group: tuple[str, ...]) -> int:
         """Flat bytes of units copied back to back (each layout is aligned)."""
@@ -88,7 +117,7 @@ class DeviceMemory:
     def alloc(self, nbytes: int) -> torch.Tensor:
         with self.pause(), self.alloc_context():
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.place)
-        self.account(nbytes)
+        self.account(self.buffer_bytes(nbytes))
         return buf
 
     def account(self, delta: int) -> None:
@@ -138,7 +167,7 @@ class DeviceMemory:
         freed = False
         for name in [n for n in self.resident if n not in resident]:
             buf, dc = self.resident.pop(name)
-            self.account(-buf.numel() - self.other_bytes(dc))
+            self.account(-self.buffer_bytes(buf.numel()) - self.other_bytes(dc))
             freed = True
         return freed
 
@@ -148,7 +177,7 @@ class DeviceMemory:
     def free_slots(self) -> None:
         """Free every slot (the caller has ordered the copies that write them)."""
         for s in self.slots:
-            self.account(-s.buf.numel() - self.slot_other_bytes(s))
+            self.account(-self.buffer_bytes(s.buf.numel()) - self.slot_other_bytes(s))
         self.slots = []
 
     def drop_slot_copies(self, drop: Callable[[tuple[str, ...]], bool]) -> None:

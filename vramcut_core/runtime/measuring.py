@@ -29,7 +29,6 @@ class Measuring:
         self.limit: int | None = None      # measuring forward: stop before passing this many bytes
         self.act_seen = self.cuda_peak = self.input_bytes = 0
         self.base = self.base_reserved = 0  # device bytes not ours at forward start
-        self.reset_peak = True              # this forward resets the allocator's peak
 
     def make_meter(self, measure: bool, track_cpu_memory: bool, check) -> None:
         """The forward's meter (a CUDA one only when measuring; a CPU one when measuring or
@@ -100,13 +99,13 @@ class Measuring:
                 id(m) for m in self._unit(n).hook_modules if id(m) in self.entered)
         return {n: self.meas[n] for n in self.order}
 
-    def start_cuda(self, reset_peak: bool):
-        """A CUDA forward starts: its timing event. Peaks are process-wide statistics: reset only
-        when the forward measures or switches plans (where old and new buffers could overlap)."""
-        self.reset_peak = reset_peak
-        if reset_peak:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base_reserved = torch.cuda.memory_reserved(self.device) - self.memory.bytes
+    def start_cuda(self):
+        """A CUDA forward starts: its timing event, and the allocator's peak reset so that the
+        forward's end reads this forward's peak (every forward: a steady one that outgrows its
+        plan must be seen). Peaks are process-wide statistics, and resetting and reading them are
+        statistics calls (the host keeps them at each allocation): no host sync."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base_reserved = torch.cuda.memory_reserved(self.device) - self.memory.bytes
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(torch.cuda.current_stream(self.device))  # the executor's device, not the current one
         return ev
@@ -146,14 +145,14 @@ class Measuring:
         return []
 
     def end_cuda(self, stats):
-        """A CUDA forward ends: its timing event, and its device peak where it reset the peak."""
+        """A CUDA forward ends: its timing event, and its device peak (every forward)."""
         end_ev = torch.cuda.Event(enable_timing=True)
         end_ev.record(torch.cuda.current_stream(self.device))
-        if not self.reset_peak:
-            return end_ev
         # (no wait for the kernels: the allocator's statistics are kept by the host at each
-        # allocation, so a plan switch costs no host sync)
-        # the meter resets the allocator's peak per unit: the forward's peak is the largest seen
+        # allocation, so reading them costs no host sync)
+        # ``base`` leaves out what was allocated before the forward and is not ours, so the
+        # executor's held buffers are counted once; the meter resets the allocator's peak per
+        # unit while measuring: the forward's peak is the largest seen
         stats.peak_device_bytes = max(max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device)) - self.base,
                                       torch.cuda.max_memory_reserved(self.device) - self.base_reserved)
         return end_ev

@@ -10,7 +10,9 @@ never overwrites weights that queued kernels still read; every synchronisation c
 ``hazard:`` comment. The simulated accelerator's tests (tests/core/test_sim_*.py) fail without
 each, but two it cannot show: ``drain``'s wait for the compute stream (the simulator runs
 compute kernels at once) and the finalizer's drain (there, unpinning the masters waits for the
-same copies first); both stay: on a GPU kernels queue, and masters can outlive the executor.
+same copies first); both stay: on a GPU kernels queue, and masters can outlive the executor. The
+finalizer blocks the host only while a copy is in flight (test_sim_switch.py checks both ways):
+collection may run it inside another engine's step.
 May call torch, ``device_memory`` (to count subclass bytes), ``host_memory`` (masters to copy
 from) and ``binding`` (where a tensor's master is).
 """
@@ -315,5 +317,7 @@ class Transfers:
 
 
 def _drain_cuda(copy_stream) -> None:
-    if copy_stream is not None:
+    # Collection can run this inside another engine's step: block the host only while a copy is
+    # still in flight (an executor collected without release); a released one's stream is idle.
+    if copy_stream is not None and not copy_stream.query():
         copy_stream.synchronize()  # hazard: buffers freed with this executor while copies write them

@@ -1,0 +1,194 @@
+"""The plan across devices: contiguous runs of units placed on devices, each under its own budget.
+
+Pure data and free functions (no torch), in the shape of ``plan``. ``place(units, devices)``
+gives each device of ``devices`` (``(name, budget bytes)``, in the order the forward visits them)
+a contiguous run of the units, possibly none, and plans each run on its device with
+``plan.build_plan`` (its resident segments, its streaming slots and the activations of the units
+it computes, within its budget); what fits no device's residency streams from host memory to the
+device that computes it. At each boundary between devices the live activations cross the cut:
+the hop's bytes are the first unit's ``entry_bytes`` on the next device (the live activation bytes
+when that unit starts: the residual stream, the context, skip connections held for later units);
+a unit whose activations were not measured counts 0 there, and the placement says so
+(``Placement.hop_bytes_known``).
+
+The placement chosen has the fewest host-link bytes per forward, then the fewest hops, then the
+fewest hop bytes, then the most units on the devices named first (exact, by dynamic programming
+over the cut points). The predicted step time (``timeline.simulate`` with a ``Step`` per segment
+on its device and the hop times) is not yet a criterion. One device gives exactly
+``plan.make_plan``'s plan (the finer cut included). A set of budgets too small in total is refused
+with ``BudgetError`` (``plan.budget_error``) naming the smallest budgets in the same proportions
+and their total.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from .plan import (BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, budget_error, build_plan,
+                   gib_text, make_plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """One device's part: units ``first`` .. ``stop - 1`` of the placement's units, planned under
+    its budget (``plan.units`` are those units; ``plan`` is None for a device given none)."""
+
+    device: str
+    budget_bytes: int
+    first: int
+    stop: int
+    plan: Plan | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Hop:
+    """The activations crossing from ``src`` to ``dst`` before unit ``unit`` runs."""
+
+    src: str
+    dst: str
+    unit: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    units: tuple[PlanUnit, ...]
+    devices: tuple[DevicePlan, ...]
+    hops: tuple[Hop, ...]
+    hop_bytes_known: bool = True
+
+    @property
+    def host_bytes_per_forward(self) -> int:
+        return sum(d.plan.streamed_bytes_per_forward for d in self.devices if d.plan is not None)
+
+    @property
+    def hop_bytes_per_forward(self) -> int:
+        return sum(h.bytes for h in self.hops)
+
+    @property
+    def used(self) -> tuple[DevicePlan, ...]:
+        return tuple(d for d in self.devices if d.plan is not None)
+
+
+def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: bool = False
+                  ) -> list[tuple[str, int | None]]:
+    """``"cuda:0=8, cuda:1=6.5"`` as ``[(device, budget bytes)]`` (GiB in, bytes out).
+
+    Strict: every entry is ``DEVICE=GIB``; a device is ``cuda:N`` (or ``cpu``), named once, and
+    ``known(device)`` (when given) must accept it; a budget is a positive number of GiB, or
+    ``free`` where ``free`` is True (it comes back as None: free memory less a reserve, known only
+    to the caller). Raises ValueError with the entry at fault."""
+    import re
+
+    from .plan import gib_to_bytes
+
+    out: list[tuple[str, int | None]] = []
+    if not text or not text.strip():
+        raise ValueError("devices: empty (write DEVICE=GIB, e.g. cuda:0=8,cuda:1=8)")
+    for raw in text.split(","):
+        entry = raw.strip()
+        if "=" not in entry:
+            raise ValueError(f"devices: {entry!r} is not DEVICE=GIB (e.g. cuda:0=8)")
+        dev, _, val = (p.strip() for p in entry.partition("="))
+        if not re.fullmatch(r"cuda:\d+|cpu", dev):
+            raise ValueError(f"devices: unknown device {dev!r} (write cuda:N or cpu)")
+        if known is not None and not known(dev):
+            raise ValueError(f"devices: {dev} is not a device this host can see")
+        if any(d == dev for d, _ in out):
+            raise ValueError(f"devices: {dev} is named twice")
+        if val.lower() == "free":
+            if not free:
+                raise ValueError(f"devices: {dev}=free needs the device's free memory, which is only "
+                                 "known where the device is (give a number of GiB)")
+            out.append((dev, None))
+            continue
+        try:
+            out.append((dev, gib_to_bytes(val)))
+        except ValueError:
+            raise ValueError(f"devices: {dev}={val}: a budget is a positive number of GiB") from None
+    return out
+
+
+def place(units: Sequence[PlanUnit], devices: Sequence[tuple[str, int]], options: PlanOptions = PlanOptions(),
+          split_unit: Callable[[str], list[PlanUnit] | None] | None = None, warnings: Sequence[str] = ()
+          ) -> Placement:
+    """The placement of ``units`` (in execution order) on ``devices``; see the module docstring.
+    Raises ``BudgetError`` when no placement fits, ValueError for no devices or a bad budget."""
+    units = tuple(units)
+    if not devices:
+        raise ValueError("place: no devices")
+    for name, b in devices:
+        if not (isinstance(b, int) and b > 0):
+            raise ValueError(f"budget of {name} must be a positive number of bytes, got {b!r}")
+    if len(devices) == 1:
+        (name, b), = devices
+        plan = make_plan(list(units), b, options, split_unit, warnings)
+        return Placement(plan.units, (DevicePlan(name, b, 0, len(plan.units), plan),), ())
+    found = _best(units, devices, options, warnings)
+    if found is None:
+        raise _refusal(units, devices, options)
+    return found
+
+
+def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], options: PlanOptions,
+          warnings: Sequence[str]) -> Placement | None:
+    """Dynamic programming over cut points: best[j] after each device is the best placement of
+    units[:j] on the devices so far, keyed (host bytes, hops, hop bytes, device order)."""
+    n = len(units)
+    # state: j -> (key, [DevicePlan...], last device holding units or None)
+    best: dict[int, tuple[tuple, list[DevicePlan], str | None]] = {0: ((0, 0, 0, 0), [], None)}
+    for index, (name, budget) in enumerate(devices):
+        nxt: dict[int, tuple[tuple, list[DevicePlan], str | None]] = {}
+
+        def offer(j, key, parts, last):
+            if j not in nxt or key < nxt[j][0]:
+                nxt[j] = (key, parts, last)
+
+        for i, (key, parts, last) in best.items():
+            offer(i, key, parts + [DevicePlan(name, budget, i, i, None)], last)  # this device takes none
+            for j in range(i + 1, n + 1):
+                try:
+                    plan = build_plan(units[i:j], budget, options, (), warnings)
+                except _Infeasible:
+                    break  # a longer run needs at least as much
+                hop = 0 if last is None else 1
+                hb = 0 if last is None else (units[i].entry_bytes or 0)
+                # last: units on earlier devices first (the first device is where the host expects the output)
+                k = (key[0] + plan.streamed_bytes_per_forward, key[1] + hop, key[2] + hb, key[3] + index * (j - i))
+                offer(j, k, parts + [DevicePlan(name, budget, i, j, plan)], name)
+        best = nxt
+    if n not in best:
+        return None
+    _, parts, _ = best[n]
+    hops, prev = [], None
+    for d in parts:
+        if d.plan is None:
+            continue
+        if prev is not None:
+            hops.append(Hop(prev, d.device, units[d.first].name, units[d.first].entry_bytes or 0))
+        prev = d.device
+    known = all(units[h_i].entry_bytes is not None for h_i in (d.first for d in parts if d.plan is not None))
+    return Placement(units, tuple(parts), tuple(hops), known)
+
+
+def _refusal(units, devices, options) -> BudgetError:
+    """The smallest budgets in the proportions given (found by bisection on the scale), and the
+    error naming them."""
+    total = sum(b for _, b in devices)
+    fits = lambda f: _best(units, [(n, max(1, int(b * f))) for n, b in devices], options, ()) is not None  # noqa: E731
+    lo, hi = 1.0, 2.0
+    while not fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            return budget_error("devices", total, kind="weights", weight_bytes=total, activation_bytes=None,
+                                min_budget_bytes=None, exact=False, detail="no placement fits")
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    sug = [(n, int(b * hi) + 1) for n, b in devices]
+    need = sum(b for _, b in sug)
+    text = ", ".join(f"{n}={gib_text(b)}" for n, b in sug)
+    measured = all(u.peak_bytes is not None for u in units)
+    return budget_error("devices", total, kind="weights", weight_bytes=need, activation_bytes=None,
+                        min_budget_bytes=need, exact=measured,
+                        detail=f"no placement fits the budgets given; in the same proportions it needs {text}")
