@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .plan import Plan
+from .plan import Plan, budget_gib, need_gib
 from .tensors import fmt_bytes
 
 
@@ -158,7 +158,7 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     out += [line(r) for r in rows]
     act = plan.activation_reserve_bytes
     out.append("")
-    out.append(f"budget {fmt_bytes(plan.budget_bytes)} · peak {fmt_bytes(plan.peak_bytes)} = resident "
+    out.append(f"budget {budget_gib(plan.budget_bytes)} · peak {need_gib(plan.peak_bytes)} = resident "
                f"{fmt_bytes(plan.resident_bytes)} + window {plan.slots}×{fmt_bytes(plan.slot_bytes)} + "
                f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
     if plan.source is not None:

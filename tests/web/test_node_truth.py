@@ -399,9 +399,14 @@ def test_nothing_is_cut_or_clipped_at_the_default_width(comfy_server, browser):
 
     # the examples' notes
     for name in (tb.RUNNABLE_EXAMPLE, tb.FLUX_EXAMPLE):
-        tb._open_runnable_example(browser, s, name)
+        opened = tb._open_runnable_example(browser, s, name)
         notes = browser.execute_script(NOTES_JS)
         assert notes and all(n["cut"] is False and not n["touching"] for n in notes), (name, notes)
+        # the Max VRAM node as saved shows its guidance whole
+        node = tb._wait(browser, "the example's node drawn", lambda: (
+            (x := _view(browser, opened["id"])) and x["H"] and x["data"].get("contentHeight") and x), timeout=10)
+        assert int(node["data"]["contentHeight"]) <= node["H"] + 1, (name, node["data"], node["H"])
+        assert not [t for t in node["texts"] if t["text"].endswith("…")], (name, node)
 
 
 # ------------------------------------------------------------ 7: nodes shrink with their content
