@@ -189,6 +189,10 @@ def test_budgets_and_needs_read_to_the_thousandth_everywhere(comfy_server, brows
 
 CLEAR_BUILD_JS = """
 const [model, queue, done] = arguments;
+const capture = () => {
+  const ct = app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
+  if (typeof ct?.captureCanvasState === "function") ct.captureCanvasState(); else ct?.checkState?.();
+};
 (async () => {
   window.confirm = () => true;  // "Clear workflow?"
   await app.extensionManager.command.execute("Comfy.ClearWorkflow");
@@ -198,6 +202,7 @@ const [model, queue, done] = arguments;
   c.widgets.find((w) => w.name === "max_vram_gb").value = 0.03;
   u.connect(0, c, 0);
   if (queue) await app.queuePrompt(0);
+  else capture();  // what the user's last mouse-up does: the workflow kept for a reload
   done({id: c.id});
 })().catch((e) => done({error: String(e && e.stack || e)}));
 """ % {"node": tb.NODE_TYPE}
@@ -391,7 +396,9 @@ def test_nothing_is_cut_or_clipped_at_the_default_width(comfy_server, browser):
 
     # a plan restored into a node saved shorter than it
     browser.execute_script("const n = app.graph.getNodeById(arguments[0]); n.setSize([n.size[0], n.computeSize()[1]]);"
-                           "app.canvas.setDirty(true, true);", cut)
+                           "app.canvas.setDirty(true, true);"
+                           "const ct = app.extensionManager?.workflow?.activeWorkflow?.changeTracker;"  # as a mouse-up does
+                           "if (typeof ct?.captureCanvasState === 'function') ct.captureCanvasState(); else ct?.checkState?.();", cut)
     time.sleep(1.5)  # the workflow is kept in the browser's storage
     tb._open(browser, s, fresh=False)
     tb._wait(browser, "the restored plan shown whole", lambda: (
