@@ -32,7 +32,8 @@ FILES = sorted(os.path.relpath(p, ROOT).replace(os.sep, "/")
                for p in glob.glob(os.path.join(ROOT, "vramcut_core", "**", "*.py"), recursive=True))
 TESTS = ["tests/core/test_sim_cuda.py", "tests/core/test_executor.py", "tests/core/test_sim_kitchen.py",
          "tests/core/test_sim_switch.py", "tests/core/test_sim_devices.py", "tests/core/test_sim_host_memory.py",
-         "tests/core/test_sim_measure_cap.py", "tests/core/test_file_backed.py"]
+         "tests/core/test_sim_measure_cap.py", "tests/core/test_file_backed.py",
+         "tests/core/test_sim_timing.py"]
 CUDA_ONLY_NAMES = ("cuda", "hostmaster", "pinned")
 
 

@@ -93,6 +93,9 @@ def import_host():
     path = tm.comfyui_path()
     if path is None:
         raise SystemExit("set COMFYUI_PATH to a ComfyUI checkout")
+    # first on the path, once: ahead of this checkout (whose nodes/ would shadow the host's nodes)
+    if path in sys.path:
+        sys.path.remove(path)
     sys.path.insert(0, path)
     from comfy.cli_args import args
     args.use_pytorch_cross_attention = True  # before model_management: the attention GPU users run

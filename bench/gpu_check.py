@@ -36,7 +36,12 @@ What the simulated accelerator in the tests cannot tell:
   ``file_backed``: a transformer mapped from a safetensors file (fast-disk loading) streamed with
   the mapped tensors as masters through the page-locked window, and from RAM with flat masters:
   bit-equal both ways, no flat master and no more page-locked than the window with it, the time
-  per forward of each (``bench/gpu_file_backed_check.py``).
+  per forward of each (``bench/gpu_file_backed_check.py``);
+  ``detach``: a detach during sampling on a host that page-locks the offloaded weights itself
+  (ComfyUI 0.33+ found as the tests find it), in a fresh process: the host detaches the patched
+  model from inside a forward, then unloads every model: nothing of the model left page-locked by
+  the host, no "Tried to unpin tensor not pinned by ComfyUI" warning, the next run bit-equal to
+  the first (``bench/gpu_detach_check.py``; without such a host "skipped: ..." and why).
 
 ``--dry`` runs on CPU: imports everything and prints the same keys, every figure null or
 "not measured". Nothing here is a figure until it has run on a GPU.
@@ -62,6 +67,7 @@ for p in (ROOT, HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "
 import torch  # noqa: E402
 
 import gpu_compiler_check  # noqa: E402
+import gpu_detach_check  # noqa: E402
 import gpu_file_backed_check  # noqa: E402
 import toys  # noqa: E402
 from vramcut_core import Engine, EngineConfig  # noqa: E402
@@ -71,7 +77,8 @@ NOT = "not measured"
 GB = 1 << 30
 ALLOCATORS = {"native": "", "cudaMallocAsync": "backend:cudaMallocAsync"}
 MODELS = ("transformer", "unet", "subclass", "flux_shaped")
-CHECKS = ("kitchen", "replan", "outgrow", "teardown", "alternating", "second_gpu", "compiler", "file_backed")
+CHECKS = ("kitchen", "replan", "outgrow", "teardown", "alternating", "second_gpu", "compiler", "file_backed",
+          "detach", "devices")
 
 
 def _rss() -> int | None:
@@ -214,9 +221,9 @@ def sessions(dev) -> dict:
                 torch.cuda.synchronize(dev)
                 first = time.perf_counter() - t
                 eng.run(model, x)
-            out.append({"first_forward_s": first, "rss_bytes": _rss(), "page_locked_bytes": ex.PINNED.bytes})
+            out.append({"first_forward_s": first, "rss_bytes": _rss(), "page_locked_bytes": ex.PAGE_LOCKED.bytes})
         del eng
-    return {"sessions": out, "page_locked_after_drop_bytes": ex.PINNED.bytes}
+    return {"sessions": out, "page_locked_after_drop_bytes": ex.PAGE_LOCKED.bytes}
 
 
 def child(quick: bool) -> dict:
@@ -474,13 +481,66 @@ def check_second_gpu() -> dict:
     return {"ok": all(torch.equal(o, ref) for o in outs) and grew == 0, "cuda0_bytes_allocated": grew}
 
 
+def check_devices(d: int = 1024, depth: int = 16, tokens: int = 256, steps: int = 6, inputs_on=None,
+                  host=contextlib.nullcontext, share: float = 0.5) -> dict:
+    """One model across two GPUs (``EngineConfig.devices``) against one GPU streaming it under one
+    of the two budgets: bit-equal on every forward, each device's peak (the engine's per-forward
+    allocator read) within its own budget on every forward, host syncs in a steady forward, and
+    the time per call of each (synchronised around the steady calls). Skipped with the reason
+    below two GPUs. (``inputs_on``, ``host``: as ``check_outgrow``; the tests run it small on the
+    simulated accelerator with two devices.)"""
+    if torch.cuda.device_count() < 2:
+        return {"ok": None, "why": f"{torch.cuda.device_count()} GPU(s): the check needs two"}
+    home = torch.device("cuda:0")
+    on = home if inputs_on is None else inputs_on
+    with host():
+        model = toys.seeded(toys.MMDiTLike(d=d, n_double=depth // 2, n_single=depth - depth // 2))
+        g = torch.Generator().manual_seed(5)
+        x = tuple(t.to(on) for t in (torch.randn(1, tokens, 16, generator=g), torch.randn(1, tokens // 4, 12, generator=g),
+                                      torch.rand(1, generator=g), torch.randn(1, tokens + tokens // 4, 2, generator=g)))
+        ref = model.to(on)(*x)
+        model.to("cpu")
+    if inputs_on is not None:
+        x = tuple(t.clone() for t in x)  # (the simulator: device memory of cuda:0, as a host gives them)
+    b = _budget_to_stream(model, x, home, share=share)
+    runs = {}
+    for name, devices in (("one_gpu", (("cuda:0", b),)), ("two_gpus", (("cuda:0", b), ("cuda:1", b)))):
+        eng = Engine(model, EngineConfig(budget_bytes=sum(v for _, v in devices), device="cuda:0", devices=devices))
+        exact, peaks, syncs, times = [], [], [], []
+        with eng.session():
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with _SyncCounter() as c:
+                    out = eng.run(model, *x)
+                syncs.append(c.counts["syncs"])
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                exact.append(torch.equal(out, ref))
+                per = ({k: s.peak_device_bytes for k, s in eng.last_device_stats.items()} if eng.group is not None
+                       else {"cuda:0": eng.last_stats.peak_device_bytes})
+                peaks.append(per)
+        js = eng.describe()["plan"]
+        runs[name] = {"bit_equal": all(exact), "peaks": peaks,
+                      "within_budgets": all(p <= dict(devices)[k] for per in peaks for k, p in per.items()),
+                      "steady_host_syncs": syncs[1:], "s_per_call": sum(times[1:]) / max(1, len(times) - 1),
+                      "host_bytes_per_call": js["streamed_bytes_per_forward"],
+                      "hop_bytes_per_call": js.get("hop_bytes_per_call", 0), "hops": js.get("hops", [])}
+        eng.release()
+    one, two = runs["one_gpu"], runs["two_gpus"]
+    return {"ok": all(r["bit_equal"] and r["within_budgets"] and not any(r["steady_host_syncs"]) for r in runs.values()),
+            "budget_bytes_per_device": b, "one_gpu": one, "two_gpus": two,
+            "speedup": one["s_per_call"] / two["s_per_call"] if two["s_per_call"] else None}
+
+
 def round2(dev) -> dict:
     out = {}
     for name, fn in (("kitchen", lambda: check_kitchen(dev)), ("replan", lambda: check_replan(dev)),
                      ("outgrow", lambda: check_outgrow(dev)),
                      ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
                      ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check),
-                     ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream))):
+                     ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream)),
+                     ("detach", gpu_detach_check.check), ("devices", check_devices)):
         try:
             with torch.no_grad():
                 out[name] = _say(name, fn())

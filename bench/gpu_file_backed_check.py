@@ -42,7 +42,7 @@ def _sync(dev) -> None:
 
 
 def _run(model, x, ref, dev, budget, keep: bool, forwards: int) -> dict:
-    pinned0 = hm.PINNED.bytes
+    pinned0 = hm.PAGE_LOCKED.bytes
     eng = Engine(model, EngineConfig(budget_bytes=budget, device=str(dev), keep_file_backed=keep))
     exact, times = [], []
     with eng.session():
@@ -53,7 +53,7 @@ def _run(model, x, ref, dev, budget, keep: bool, forwards: int) -> dict:
             _sync(dev)
             times.append(time.perf_counter() - t)
             exact.append(torch.equal(out, ref))
-        pinned = hm.PINNED.bytes - pinned0
+        pinned = hm.PAGE_LOCKED.bytes - pinned0
         flat = len(eng.executor.masters.masters)
     return {"bit_equal_per_forward": exact, "page_locked_bytes": pinned, "flat_masters": flat,
             "first_forward_s": times[0], "forward_s": min(times[1:]) if len(times) > 1 else None,
@@ -85,7 +85,7 @@ def check(dev, budget_to_stream, d: int = 1024, depth: int = 8, tokens: int = 25
         window = _run(mapped, x, ref, dev, budget, True, forwards)
         flat = _run(src, x, ref, dev, budget, False, forwards)
         kept = where == {k: t.data_ptr() for k, t in mapped.state_dict(keep_vars=True).items()}
-    cap = hm.WINDOW_PIECES * hm.WINDOW_PIECE
+    cap = hm.BOUNCE_PIECES * hm.BOUNCE_PIECE
     ok = (all(window["bit_equal_per_forward"]) and all(flat["bit_equal_per_forward"]) and kept
           and window["flat_masters"] == 0 and window["page_locked_bytes"] <= cap)
     return {"ok": ok, "budget_bytes": budget, "window_cap_bytes": cap, "mapped_tensors_kept": kept,

@@ -18,7 +18,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
 
-from ..vramcut_core import quant
+from ..vramcut_core import is_plain_tensor, quant_parts
 from .errors import VRAMCutError
 
 
@@ -83,8 +83,8 @@ def mergeable_patch_keys(patcher) -> frozenset[str]:
             continue
         if weight is None or _changes_shape(patches, weight, key):
             continue
-        plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
-        if returns and (plain or quant.parts(weight) is not None):
+        plain = is_plain_tensor(weight)
+        if returns and (plain or quant_parts(weight) is not None):
             keys.append(key)
         elif plain and set_func is None and convert_func is None:
             keys.append(key)
@@ -92,10 +92,11 @@ def mergeable_patch_keys(patcher) -> frozenset[str]:
 
 
 class DeviceMerge:
-    """The executor's ``on_loaded`` hook for one call: merges a patcher's weight patches into a
-    unit's device copy, exactly as the host merges them when it loads a model fully on that
-    device (same function where the host exposes it, same compute precision and rounding), so
-    the host keeps one unpatched copy of each weight and nothing is merged on the CPU."""
+    """The ``on_loaded`` hook of one call (``Engine.run(..., on_loaded=...)``): merges a patcher's
+    weight patches into a unit's device copy, exactly as the host merges them when it loads a
+    model fully on that device (same function where the host exposes it, same compute precision
+    and rounding), so the host keeps one unpatched copy of each weight and nothing is merged on
+    the CPU."""
 
     _prefixes: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
     _host_returns: dict[type, bool] = {}  # patcher class -> patch_weight_to_device(return_weight=...)
@@ -144,12 +145,12 @@ class DeviceMerge:
             if key is None:
                 continue
             live = ut.refs[0].get()  # the device copy the unit's modules read now
-            if type(live) in (torch.Tensor, torch.nn.Parameter):
+            if is_plain_tensor(live):
                 live.data.copy_(self.merged(key, live.data))
                 continue
             # a quantized weight: the host requantizes the merged weight; its parts replace the
             # device copy's parts (same layout, recalculated scales)
-            dst, src = quant.parts(live), quant.parts(self.merged(key, live))
+            dst, src = quant_parts(live), quant_parts(self.merged(key, live))
             if dst is None or src is None or [(t.shape, t.dtype) for t in dst] != [(t.shape, t.dtype) for t in src]:
                 raise VRAMCutError(f"cannot merge the weight patch of {key} into its quantized device copy")
             for d, s in zip(dst, src):

@@ -15,8 +15,10 @@ from ..vramcut_core import BudgetError, TraceUnavailable
 from .state import MODES, NodeReport, Settings, VRAMCutError
 from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_model, patch_vae
 from .preview import SHAPE_TYPE, CannotPreview, Shape, preview, traced_at
+from .devices import DEVICES_TYPE, Devices
 
 ShapeIO = io.Custom(SHAPE_TYPE)
+DevicesIO = io.Custom(DEVICES_TYPE)
 
 log = logging.getLogger("vramcut")
 
@@ -51,17 +53,22 @@ def _budget_inputs() -> list:
 
 
 def _settings(kw) -> Settings:
-    return Settings(kw["max_vram_gb"], kw["budget_mode"], kw["reserve_gb"], kw["prefetch"], kw["residency"]).validate()
+    return Settings(kw["max_vram_gb"], kw["budget_mode"], kw["reserve_gb"], kw["prefetch"], kw["residency"],
+                    devices=kw.get("devices")).validate()
 
 
 def _preview_input() -> list:
-    """The optional input after the model inputs (appended last: saved workflows keep their
-    values where they were)."""
+    """The optional inputs after the model inputs (appended last, in the order they were added:
+    saved workflows keep their values where they were)."""
     return [ShapeIO.Input("preview_shape", optional=True,
                           tooltip="Connect 'Preview shape (VRAMCut)' to see, before anything runs, the plan "
                                   "with activations at that width, height, frames and batch (a dry run "
                                   "on fake tensors: no weight moves). Without it the node shows the "
-                                  "weights-only estimate until the first real run.")]
+                                  "weights-only estimate until the first real run."),
+            DevicesIO.Input("devices", optional=True,
+                            tooltip="Connect 'Devices (VRAMCut)' to place each model's blocks across several "
+                                    "GPUs, each under its own budget (they replace max_vram_gb and budget_mode; "
+                                    "0 still turns VRAMCut off). Without it: one GPU, max_vram_gb's budget.")]
 
 
 def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None:
@@ -154,9 +161,9 @@ class VRAMCutMaxVRAM(io.ComfyNode):
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                model=None, clip=None, vae=None, preview_shape=None) -> io.NodeOutput:
+                model=None, clip=None, vae=None, preview_shape=None, devices=None) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                      prefetch=prefetch, residency=residency)
+                      prefetch=prefetch, residency=residency, devices=devices)
         return _execute(cls, budget, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
                                       ("VAE", vae, patch_vae)], preview_shape)
 
@@ -177,9 +184,9 @@ class VRAMCutMaxVRAMExtras(io.ComfyNode):
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                upscale_model=None, clip_vision=None, preview_shape=None) -> io.NodeOutput:
+                upscale_model=None, clip_vision=None, preview_shape=None, devices=None) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                      prefetch=prefetch, residency=residency)
+                      prefetch=prefetch, residency=residency, devices=devices)
         return _execute(cls, budget, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
                                       ("CLIP_VISION", clip_vision, patch_clip_vision)], preview_shape)
 
@@ -223,7 +230,32 @@ class VRAMCutPreviewShape(io.ComfyNode):
             raise VRAMCutError(str(e)) from None
 
 
-NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras, VRAMCutPreviewShape]
+class VRAMCutDevices(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="VRAMCutDevices", display_name="Devices (VRAMCut)", category="VRAMCut",
+            description="The GPUs a Max VRAM node may place a model's blocks on, each with its own budget: "
+                        "connect it to 'devices'. Runs of blocks go to each GPU in the order given; only "
+                        "the activations crossing a cut move between GPUs.",
+            inputs=[
+                io.String.Input("devices", default="cuda:0=10, cuda:1=6",
+                                tooltip="DEVICE=GIB, comma-separated, e.g. cuda:0=10, cuda:1=6. A budget may be "
+                                        "'free': the device's free VRAM less reserve_gb. ComfyUI's main GPU "
+                                        "must be in the list (inputs and outputs live there)."),
+                io.Float.Input("reserve_gb", default=1.0, min=0.0, max=1024.0, step=0.05, round=0.001,
+                               tooltip="GiB left free on each device whose budget is 'free', for other "
+                                       "programs and ComfyUI."),
+            ],
+            outputs=[DevicesIO.Output(display_name="devices", tooltip="connect to a Max VRAM node's devices")])
+
+    @classmethod
+    def execute(cls, devices, reserve_gb) -> io.NodeOutput:
+        # checked here and again where the Max VRAM node runs: a message on this node first
+        return io.NodeOutput(Devices(devices, reserve_gb).validate())
+
+
+NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras, VRAMCutPreviewShape, VRAMCutDevices]
 
 
 class VRAMCutExtension(ComfyExtension):

@@ -17,9 +17,10 @@ import comfy.model_patcher
 from comfy.patcher_extension import WrappersMP
 
 from ..vramcut_core import find_units
-from . import streams
 from .compiler import compiler_off
-from .host import plain_patcher, to_vramcut_patcher
+from .devices import CFG_SPLIT_REFUSED, multigpu_clones
+from .gpu import held_bytes
+from .patcher import plain_patcher, to_vramcut_patcher
 from .state import KEY, NodeReport, PatchState, Settings, VRAMCutError
 
 
@@ -48,9 +49,18 @@ class _ApplyModelWrapper:
 class _OuterSampleWrapper:
     """OUTER_SAMPLE wrapper: the host's model compiler stays off for the whole sampling run of a
     model VRAMCut runs (``compiler.compiler_off``), put back as it was after it, errors and
-    Cancel included."""
+    Cancel included. With devices, a model that ComfyUI's MultiGPU CFG Split has copied onto the
+    other GPUs since the node ran is refused here, before the host loads anything."""
+
+    def __init__(self, state: PatchState | None = None) -> None:
+        self.state = state
 
     def __call__(self, executor, *args, **kwargs):
+        guider = getattr(executor, "class_obj", None)
+        if (self.state is not None and self.state.settings.devices is not None
+                and multigpu_clones(getattr(guider, "model_patcher", None))):
+            self.state.report.fail(CFG_SPLIT_REFUSED)
+            raise VRAMCutError(CFG_SPLIT_REFUSED)
         with compiler_off():
             return executor(*args, **kwargs)
 
@@ -67,7 +77,7 @@ class _CondBatchWrapper:
         self.state = state
 
     def __call__(self, executor, model, *args, **kwargs):
-        held = streams.held_bytes(self.state)
+        held = held_bytes(self.state)
         if not held:
             return executor(model, *args, **kwargs)
         less = held / 1.5
@@ -84,13 +94,17 @@ def _device_of_inputs(args, kwargs):
 
 
 def patch_model(model, settings: Settings, report: NodeReport):
-    """A patched clone of a ComfyUI ModelPatcher (MODEL)."""
+    """A patched clone of a ComfyUI ModelPatcher (MODEL). With devices, a model ComfyUI's MultiGPU
+    CFG Split has copied onto other GPUs is refused: both would use those GPUs. (Without devices
+    each copy runs under the budget on its own GPU, as before.)"""
+    if settings.devices is not None and multigpu_clones(model):
+        raise VRAMCutError(CFG_SPLIT_REFUSED)
     state = PatchState("MODEL", settings, report)
     clone = to_vramcut_patcher(model, state)
     clone.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     clone.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _ApplyModelWrapper(state))
     clone.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, KEY)
-    clone.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, KEY, _OuterSampleWrapper())
+    clone.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, KEY, _OuterSampleWrapper(state))
     if not hasattr(comfy.model_patcher.ModelPatcher, "get_free_memory"):  # the sampler asks the process
         clone.remove_wrappers_with_key(WrappersMP.CALC_COND_BATCH, KEY)
         clone.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, KEY, _CondBatchWrapper(state))
@@ -204,7 +218,7 @@ def patch_clip(clip, settings: Settings, report: NodeReport):
     base.__class__ = VRAMCutCLIP
     base._vramcut = state
     emb_paths = _input_embedding_units(base.cond_stage_model)
-    state.pinned = tuple(u.name for u in find_units(base.cond_stage_model).units
+    state.keep_resident = tuple(u.name for u in find_units(base.cond_stage_model).units
                          if any(p == q or p.startswith(q + ".") for p in emb_paths for q, _ in u.roots))
     engine = state.engine(base.cond_stage_model, base.patcher.load_device)
     report.set("CLIP", engine, engine.weight_plan())
@@ -239,7 +253,7 @@ class VRAMCutVAE(comfy.sd.VAE):
 
         def make(orig):
             def call(*a, **kw):
-                if engine.executor.running:  # an entry point calling another (decode_tiled -> decode)
+                if engine.running:  # an entry point calling another (decode_tiled -> decode)
                     return orig(*a, **kw)
                 return state.run(engine, orig, *a, patcher=patcher, **kw)
             return call

@@ -3,7 +3,7 @@ payload the node shows (live plan events), and ``PatchState``, shared by a patch
 all its clones, which owns one engine per module it runs and turns budget errors into the
 node's message. The one rule: a budget that cannot hold a call is a clear error naming what
 does not fit (an out-of-memory error only where the host has a smaller fallback). May call the
-engine, ``lora`` (device merges), ``host_gpu``, ``compiler`` and ``streams``.
+engine's public face, ``lora`` (device merges), ``gpu`` (the host's own GPU use) and ``compiler``.
 """
 from __future__ import annotations
 
@@ -17,15 +17,12 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import BudgetError, Engine, EngineConfig, signature
-from ..vramcut_core import bandwidth
-from ..vramcut_core.plan import gib_text
-from ..vramcut_core.report import cost_to_json
-from ..vramcut_core.tensors import GIB
-from . import streams
+from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, cost_to_json, gib_text, host_to_device,
+                            signature)
 from .compiler import compiler_off
+from .devices import Devices, device_name
 from .errors import VRAMCutError, VRAMCutOOM
-from .host_gpu import host_allocation_pause, host_pinning
+from .gpu import host_hooks, may_page_lock
 from .lora import DeviceMerge
 
 log = logging.getLogger("vramcut")
@@ -45,6 +42,7 @@ class Settings:
     reserve_gb: float = 1.0
     prefetch: bool = True
     residency: bool = True
+    devices: Devices | None = None  # the Devices node's budgets, one per device; None: max_vram_gb's
 
     def validate(self) -> "Settings":
         for name in ("max_vram_gb", "reserve_gb"):
@@ -55,6 +53,8 @@ class Settings:
                 raise VRAMCutError(f"{name} must not be negative, got {v}")
         if self.budget_mode not in MODES:
             raise VRAMCutError(f"budget_mode must be one of {MODES}, got {self.budget_mode!r}")
+        if self.devices is not None:
+            self.devices.validate()
         return self
 
     @property
@@ -80,6 +80,19 @@ class Settings:
         if b <= 0:
             raise VRAMCutError("the budget must be positive (0 turns VRAMCut off)")
         return b
+
+
+    def home_budget_bytes(self, device) -> int | None:
+        """The budget given for ``device`` alone, where it is a fixed number: max_vram_gb, or with
+        devices that device's entry; None where it is read from free memory."""
+        if self.devices is not None:
+            return self.devices.fixed_budget(device)
+        return int(self.max_vram_gb * GIB) if self.budget_mode == "fixed" else None
+
+    @property
+    def refits(self) -> bool:
+        """The budget follows free VRAM: re-read before each call (one device, 'free VRAM minus reserve')."""
+        return self.devices is None and self.budget_mode != "fixed"
 
 
 class Previewed(Exception):
@@ -143,6 +156,8 @@ class NodeReport:
         self.payload: dict = {"budget_bytes": int(settings.max_vram_gb * GIB) if settings.budget_mode == "fixed" else None,
                               "enabled": settings.enabled, "message": None, "message_level": None,
                               "models": []}
+        if settings.devices is not None:  # the header names each device's budget (only with devices)
+            self.payload["devices"] = settings.devices.to_json()
         self._index: dict[str, int] = {}
 
     def set(self, kind: str, engine: Engine, plan=None, traced_at: str | None = None) -> None:
@@ -150,7 +165,8 @@ class NodeReport:
         plan is a preview's, traced at that shape (stage "traced", the label the node draws)."""
         d = engine.describe(plan)
         # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
-        d["plan"]["cost"] = cost_to_json(d["plan"], bandwidth.host_to_device(engine.config.device))
+        d["plan"]["cost"] = cost_to_json(d["plan"], host_to_device(engine.device))
+        _per_device_answer(d["plan"])
         sig = engine.last_signature if d["signature"] else None
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
                  "signature": d["signature"], "inputs": inputs_text(kind, sig) if sig else None,
@@ -158,6 +174,11 @@ class NodeReport:
                  "verify": d.get("verify") or []}
         if traced_at is not None:
             entry.update(stage="traced", traced_at=traced_at)
+        t = time_answer(d["plan"].get("time"))
+        if t is not None:
+            entry["time"] = t
+        if isinstance(d["plan"].get("refit"), dict):
+            entry["refit"] = d["plan"]["refit"]
         if kind in self._index:
             self.payload["models"][self._index[kind]] = entry
         else:
@@ -215,15 +236,47 @@ class NodeReport:
                 log.debug("vramcut: could not send plan event: %s", e)
 
 
+def _per_device_answer(plan: dict) -> None:
+    """With the plan placed across devices (its "devices", contract of the plan JSON): the answer
+    line's verdict is every device within its own budget, and the hops per call join it."""
+    devices = plan.get("devices")
+    if not isinstance(devices, list) or not devices:
+        return
+    cost = plan.setdefault("cost", {})
+    cost["fits"] = all(int(d.get("peak_bytes") or 0) <= int(d.get("budget_bytes") or 0) for d in devices)
+    cost["devices"] = len(devices)
+    cost["hops_per_call"] = plan.get("hops_per_call")
+    cost["hop_bytes_per_call"] = plan.get("hop_bytes_per_call")
+
+
+def time_answer(time: dict | None) -> dict | None:
+    """The node's time line from the plan's "time" (seconds per call): before a call, the time the
+    plan is predicted to add over all-resident and the ratio; after one, the measured time and
+    the prediction's error ((predicted - measured) / measured). None where nothing was predicted."""
+    if not isinstance(time, dict):
+        return None
+    pred, res = time.get("predicted_s"), time.get("resident_s")
+    if not isinstance(pred, (int, float)) or not isinstance(res, (int, float)):
+        return None
+    out = {"predicted_s": float(pred), "resident_s": float(res), "added_s": max(0.0, float(pred) - float(res)),
+           "ratio": float(pred) / float(res) if res > 0 else None, "source": time.get("source"),
+           "measured_s": None, "error": None}
+    meas = time.get("measured_s")
+    if isinstance(meas, (int, float)) and meas > 0:
+        out["measured_s"] = float(meas)
+        err = time.get("error")
+        out["error"] = float(err) if isinstance(err, (int, float)) else (float(pred) - float(meas)) / float(meas)
+    return out
+
+
 class PatchState:
     """Shared by a patched object and all its clones (ComfyUI copies attachments by calling
     ``on_model_patcher_clone``). Owns one engine per module it runs."""
 
-    def __init__(self, kind: str, settings: Settings, report: NodeReport, pinned: tuple[str, ...] = ()) -> None:
-        self.kind, self.settings, self.report, self.pinned = kind, settings, report, pinned
+    def __init__(self, kind: str, settings: Settings, report: NodeReport, keep_resident: tuple[str, ...] = ()) -> None:
+        self.kind, self.settings, self.report, self.keep_resident = kind, settings, report, keep_resident
         self._engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
         self._patches: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
-        self._resolved: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # budget taken at first run
         self.free_memory = None  # the host's answer to "how much could you free", where it has one
         self.fast_disk = False   # the host streams the model from a fast disk: keep file-backed masters
         self.in_run = False      # between the host's ON_PRE_RUN and ON_CLEANUP (a sampling run)
@@ -239,13 +292,11 @@ class PatchState:
         holds device buffers between calls until ``release``."""
         dev = torch.device(device)
         eng = self._engines.get(module)
-        if eng is None or eng.executor.device != dev:
-            cfg = EngineConfig(budget_bytes=self.settings.budget_bytes(dev, self.free_memory), device=str(dev),
-                               prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               pinned=self.pinned, pin_memory=host_pinning(), keep_file_backed=self.fast_disk)
-            eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan))
-            eng.executor.alloc_context = host_allocation_pause()
-            streams.attach(eng, dev)
+        if eng is None or eng.device != dev:
+            cfg = EngineConfig(**self._budget(dev), prefetch=self.settings.prefetch, residency=self.settings.residency,
+                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
+            eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan),
+                         host=host_hooks(dev))
             for w in eng.unitset.warnings:
                 log.warning("VRAMCut %s: %s", self.kind, w)
             self._engines[module] = eng
@@ -253,9 +304,25 @@ class PatchState:
             eng.keep_buffers(keep_buffers)
         return eng
 
+    def _budget(self, dev: torch.device) -> dict:
+        """The budget part of the engine's configuration on ``dev``: one budget, as before, or with
+        the Devices node each device's (``devices``, ``dev`` the home device among them, the
+        budget their sum), passed only when the user gave devices."""
+        if self.settings.devices is None:
+            return {"budget_bytes": self.settings.budget_bytes(dev, self.free_memory), "device": str(dev)}
+        budgets = self.settings.devices.budgets(dev, self.free_memory)
+        if "devices" not in getattr(EngineConfig, "__dataclass_fields__", {}):
+            raise VRAMCutError("devices: this version of the engine plans one device only; disconnect the "
+                               "Devices node (the budget is then max_vram_gb's)")
+        return {"budget_bytes": sum(b for _, b in budgets), "device": device_name(dev), "devices": budgets}
+
+    def engines(self) -> list[Engine]:
+        """The engines this patch has made (one per module it ran), alive now."""
+        return list(self._engines.values())
+
     @property
     def running(self) -> bool:
-        return any(e.executor.running for e in self._engines.values())
+        return any(e.running for e in self.engines())
 
     def begin_run(self, *_args, **_kw) -> None:
         """Start of a sampling run (ON_PRE_RUN): until its cleanup, a model planned all resident
@@ -266,8 +333,8 @@ class PatchState:
     def release(self, *_args, **_kw) -> None:
         """Give back every device buffer the engines hold (ComfyUI cannot see them)."""
         self.in_run = False
-        for e in list(self._engines.values()):
-            if not e.executor.running:
+        for e in self.engines():
+            if not e.running:
                 e.keep_buffers(False)
                 e.release()
 
@@ -300,10 +367,22 @@ class PatchState:
         """End of a run (ComfyUI's cleanup after sampling): release, and show on the node what
         the run did (forwards, bytes streamed, measured peak)."""
         self.release()
-        for e in list(self._engines.values()):
-            if e.last_plan is not None and e.stats.forwards and not e.executor.running:
+        for e in self.engines():
+            if e.last_plan is not None and e.stats.forwards and not e.running:
                 self.report.set(self.kind, e, e.last_plan)
                 e.reset_stats()  # the next run reports its own
+
+    def refit(self, engine: Engine) -> None:
+        """'free VRAM minus reserve' read again before a call: what is free now (ComfyUI has made
+        room for the model by the first call, not when the node ran; another program may take
+        memory between calls) plus what this engine holds itself, less the reserve. The engine
+        decides whether the change is worth planning again (it keeps its plan on small
+        wobbles) and says so in its plan ("refit"). One reading of the host's free-memory
+        figure per call: no host sync beyond what the host does itself."""
+        ask = self.free_memory or mm.get_free_memory
+        held = engine.held_bytes
+        engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device),
+                                                     lambda d: int(ask(d)) + held))
 
     def run(self, engine: Engine, fn, *args, sig=None, patcher=None, **kwargs):
         """Run through the engine, merging ``patcher``'s weight patches into each unit's device
@@ -317,21 +396,18 @@ class PatchState:
             with _host_quiet(merge):
                 plan = engine.preview_as(signature(args, kwargs) if sig is None else sig, fn, *args, **kwargs)
             raise Previewed(engine, plan)
-        if self.settings.budget_mode != "fixed" and engine not in self._resolved and not engine.executor.running:
-            # "free VRAM minus reserve" is what is free when the model first runs (ComfyUI has
-            # made room for it by then), not when the node ran
-            self._resolved.add(engine)
-            engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device), self.free_memory))
+        if self.settings.refits and not engine.running:
+            self.refit(engine)
         key = merge.key if merge is not None else None
-        if self._patches.get(engine, key) != key and not engine.executor.running:
+        if self._patches.get(engine, key) != key and not engine.running:
             engine.release()  # held device copies were merged with other patches
         self._patches[engine] = key
-        engine.executor.on_loaded = merge
         try:
             steady = engine.steady_stats.forwards
             with _host_quiet(merge):  # the compiler off: CLIP, VAE and the rest have no sampling run
-                out = engine.run(fn, *args, **kwargs) if sig is None else engine.run_as(sig, fn, *args, **kwargs)
-            if self.kind != "MODEL" and engine.steady_stats.forwards > steady and not engine.executor.running:
+                out = (engine.run(fn, *args, on_loaded=merge, **kwargs) if sig is None
+                       else engine.run_as(sig, fn, *args, on_loaded=merge, **kwargs))
+            if self.kind != "MODEL" and engine.steady_stats.forwards > steady and not engine.running:
                 # an encode / decode that ran the plan: the node shows its measured cost (sampling
                 # shows it once, at the end of the run: `finish`)
                 self.report.set(self.kind, engine, engine.last_plan)
@@ -356,7 +432,6 @@ class PatchState:
             self.report.fail(str(e))
             raise
         finally:
-            engine.executor.on_loaded = None
             if self.teardown_pending and not self.running:
                 self.teardown_pending = False
                 self.release()

@@ -26,6 +26,17 @@ What it checks, with the happens-before order of the streams (vector clocks, lik
   names no device (``current_stream()``, ``Event.record()``, ``empty_cache()``) is recorded in
   ``sim.device_calls`` with the device it resolved to, the current one.
 
+Durations (``sim.set_durations(copy_bytes_per_s=..., op_seconds=...)``): a virtual clock per
+stream. A copy from host memory takes its bytes over ``copy_bytes_per_s``, an operator
+``op_seconds(func, args, kwargs, out)`` seconds (``flop_seconds(flops_per_s)``: torch's FLOP count
+of the operator over a throughput); work on a stream starts when the stream's earlier work is done,
+after every event it waits for, and not before the host last saw the time (a synchronize, an event
+it queried as complete). Events carry the time they complete at, so ``elapsed_time`` and the
+executor's measured times show what overlapped. The host issues work ahead of the device: its time
+moves only where it waits or observes. ``query()`` says complete only once the compute stream of
+the event's device has reached the event's time (the host keeps pace with compute, which runs
+eagerly here). Without durations, events are stamped with wall time as before.
+
 Host-blocking waits are counted (``sim.host_syncs``), and so are ``empty_cache`` calls
 (``sim.empty_cache_calls``), a device-wide synchronisation under ``cudaMallocAsync``.
 
@@ -210,6 +221,7 @@ class SimStream:
         self.clock: dict[int, int] = {self.id: 0}
         self.queue: list = []        # deferred work: ("op", pos, fn) and ("wait", stream, pos)
         self.done = 0                 # position executed up to
+        self.t = 0.0                  # virtual time its issued work ends at (``SimCuda.set_durations``)
         self.eager = eager
         self.device = device
         self.dev = self.sim.device_index(device, "Stream()")
@@ -242,6 +254,11 @@ class SimStream:
         self.sim.host_syncs += 1
         self.sim.flush(self)
         self.sim.host_observes(self.clock)
+        self.sim.host_t = max(self.sim.host_t, self.t)
+
+    def run_for(self, seconds: float) -> None:
+        """Virtual time: work of ``seconds`` issued now on this stream."""
+        self.t = max(self.t, self.sim.host_t) + seconds
 
     def query(self) -> bool:
         return not self.queue
@@ -268,7 +285,7 @@ class SimEvent:
         sim = SimCuda.active
         stream = stream or sim.current_stream(None, "Event.record()")
         self.stream, self.pos, self.clock = stream, stream.pos, dict(stream.clock)
-        self.t = time.perf_counter()
+        self.t = max(stream.t, sim.host_t) if sim.timed else time.perf_counter()
 
     def wait(self, stream: SimStream | None = None) -> None:
         (stream or SimCuda.active.current()).wait_event(self)
@@ -280,6 +297,10 @@ class SimEvent:
         if sim.query_completes:
             sim.flush(self.stream, self.pos)
         done = self.stream.done >= self.pos
+        if done and sim.timed:
+            done = self.t <= sim.computes[self.stream.dev].t + 1e-12   # the host keeps pace with compute
+            if done:
+                sim.host_t = max(sim.host_t, self.t)
         if done:
             sim.host_observes(self.clock)
         return done
@@ -290,11 +311,23 @@ class SimEvent:
         self.stream.sim.host_syncs += 1
         self.stream.sim.flush(self.stream, self.pos)
         self.stream.sim.host_observes(self.clock)
+        self.stream.sim.host_t = max(self.stream.sim.host_t, self.t)
 
     def elapsed_time(self, end: "SimEvent") -> float:
         if self.stream is not None and end.stream is not None and self.stream.dev != end.stream.dev:
             raise RuntimeError("CUDA error: invalid resource handle (events recorded on different devices)")
         return max(0.0, (end.t - self.t) * 1e3)
+
+
+def flop_seconds(flops_per_s: float):
+    """``op_seconds`` for ``SimCuda.set_durations``: an operator takes torch's FLOP count of it
+    (``torch.utils.flop_counter``'s registry, as the dry run counts) over ``flops_per_s``."""
+    from torch.utils.flop_counter import flop_registry
+
+    def seconds(func, args, kwargs, out) -> float:
+        count = flop_registry.get(func._overloadpacket)
+        return 0.0 if count is None else count(*args, **kwargs, out_val=out) / flops_per_s
+    return seconds
 
 
 # -- tracked storages -------------------------------------------------------------------------
@@ -373,6 +406,10 @@ class SimCuda:
         self.pin_memory_fails = False
         self.pending_error: int | None = None
         self.query_completes = False      # event.query() finishes the work (a fast GPU)
+        self.timed = False                # durations on (``set_durations``): virtual clocks
+        self.copy_bytes_per_s: float | None = None
+        self.op_seconds = None
+        self.host_t = 0.0                 # the virtual time the host has last seen
         self.host_clock: dict[int, int] = {}
         self.host_ctx = 0
         self.ops = 0
@@ -380,6 +417,7 @@ class SimCuda:
         self.peak_resets = 0
         self.pinned_peak = 0              # most bytes from torch's page-locked allocator alive at once
         self.pageable_async: list[str] = []  # non-blocking copies from pageable host memory (they stall)
+        self.peer_copies: list[tuple[int, int, int]] = []  # (source device, destination device, bytes)
         SimCuda.active = self
         self.computes = {d: SimStream(d, sim=self, eager=True) for d in range(devices)}
         self.compute = self.computes[0]
@@ -387,6 +425,17 @@ class SimCuda:
         for d in range(1, devices):
             self.allocs[d] = SimAllocator(self._reused)
         self.stack: list[SimStream] = [self.compute]
+
+    def set_durations(self, copy_bytes_per_s: float | None = None, op_seconds=None) -> None:
+        """Give copies from host memory and operators durations (see the module docstring)."""
+        self.timed = True
+        self.copy_bytes_per_s, self.op_seconds = copy_bytes_per_s, op_seconds
+
+    def copy_seconds(self, src: torch.Tensor) -> float:
+        rec = self.recs.get(src.untyped_storage().data_ptr())
+        if not self.copy_bytes_per_s or rec is None or not rec.host:
+            return 0.0
+        return src.numel() * src.element_size() / self.copy_bytes_per_s
 
     # devices
 
@@ -447,6 +496,7 @@ class SimCuda:
     def wait(self, stream: SimStream, ev: SimEvent) -> None:
         if ev.stream is None or ev.stream is stream:
             return
+        stream.t = max(stream.t, ev.t) if self.timed else stream.t
         for k, v in ev.clock.items():
             stream.clock[k] = max(stream.clock.get(k, 0), v)
         if stream.eager:
@@ -474,6 +524,7 @@ class SimCuda:
         self.host_syncs += 1
         for s in list(self.streams):
             self.flush(s)
+            self.host_t = max(self.host_t, s.t)
         for s in list(self.streams):
             self.host_observes(s.clock)
 
@@ -585,9 +636,54 @@ class SimCuda:
             if rec is not None and not rec.host:
                 return rec.dev
         dev = kwargs.get("device")
-        if isinstance(dev, torch.device) and dev.index:
+        if isinstance(dev, torch.device) and dev.index is not None:
             return dev.index
         return None
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        """Where a tensor lives as the code under test sees it (``cuda:N`` for simulated device
+        memory, a fake tensor's own device, else its real one)."""
+        if isinstance(t, FakeTensor) or _wrapper(t):
+            return t.device
+        rec = self.recs.get(t.untyped_storage().data_ptr())
+        return torch.device("cuda", rec.dev) if rec is not None and not rec.host else t.device
+
+    def check_one_device(self, tensors: list, func) -> None:
+        """An operator on device memory of two devices fails, as CUDA's do."""
+        devs = sorted({r.dev for t in tensors if (r := self.recs.get(t.untyped_storage().data_ptr())) is not None
+                       and not r.host and t.dim() > 0})
+        if len(devs) > 1:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"cuda:{devs[0]} and cuda:{devs[1]}! (simulated, {func})")
+
+    def peer_copy(self, func, src: torch.Tensor, kwargs: dict, dst_dev: int):
+        """``src.to(cuda:N)`` from another device, as torch's CUDA copy does it: the copy runs on the
+        source device's current stream after a barrier with the destination's current stream, and
+        the destination's current stream waits for it (no host sync); the new tensor is the
+        destination device's memory, allocated on its current stream."""
+        src_rec = self.recs[src.untyped_storage().data_ptr()]
+        s_stream, d_stream = self.current_stream(src_rec.dev), self.current_stream(dst_dev)
+        self.peer_copies.append((src_rec.dev, dst_dev, src.untyped_storage().nbytes()))
+        barrier = SimEvent()
+        barrier.record(d_stream)
+        s_stream.wait_event(barrier)
+        with _disable_current_modes():
+            out = torch.empty(src.shape, dtype=kwargs.get("dtype") or src.dtype)
+        _fill_fresh(out)
+        rec = self.track_new(out, d_stream, host=False)
+        pos = s_stream.issue()
+        self.access(s_stream, pos, src, write=False, what=f"peer {func}")
+        self.access(s_stream, pos, out, write=True, what=f"peer {func}")
+        job = lambda d=_WeakView(out), s=_WeakView(src): _deferred_copy(d, s)  # noqa: E731
+        if s_stream.eager:
+            with _disable_current_modes():
+                job()
+        else:
+            s_stream.queue.append(("op", pos, job))
+        done = SimEvent()
+        done.record(s_stream)
+        d_stream.wait_event(done)
+        return out
 
     def device_op(self, tensors: list) -> bool:
         if not tensors:
@@ -625,6 +721,13 @@ class _SimMode(TorchDispatchMode):
         if sim.pending_error is not None and sim.device_op(tensors):
             sim.raise_pending()
         stream = sim.current()
+        if sim.n_devices > 1 and func is aten._to_copy.default and tensors and not sim.host_ctx:
+            dst = sim.op_device([], kwargs)
+            src_rec = sim.recs.get(tensors[0].untyped_storage().data_ptr())
+            if dst is not None and src_rec is not None and not src_rec.host and src_rec.dev != dst:
+                return sim.peer_copy(func, args[0], kwargs, dst)
+        if sim.n_devices > 1 and not sim.host_ctx:
+            sim.check_one_device(tensors, func)
         if stream.eager and sim.n_devices > 1:
             # an operator runs on the compute stream of the device its tensors are on (a new
             # tensor for "cuda" with no index: the current device)
@@ -651,7 +754,11 @@ class _SimMode(TorchDispatchMode):
         for t in tensors:
             sim.access(stream, pos, t, write=any(t is w for w in written), what=str(func))
         in_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        if sim.timed and func in (aten.copy_.default, aten._to_copy.default):
+            stream.run_for(sim.copy_seconds(args[1] if func is aten.copy_.default else args[0]))
         out = func(*args, **kwargs)
+        if sim.timed and sim.op_seconds is not None:
+            stream.run_for(sim.op_seconds(func, args, kwargs, out))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
                 if t.untyped_storage().data_ptr() not in in_ptrs:
@@ -684,6 +791,8 @@ class _SimMode(TorchDispatchMode):
             sim.track_new(out, stream, host=False)
             dst = out
         pos = stream.issue()
+        if sim.timed:
+            stream.run_for(sim.copy_seconds(src))
         sim.access(stream, pos, src, write=False, what=f"deferred {func}")
         sim.access(stream, pos, dst, write=True, what=f"deferred {func}")
         keep = src if (r := sim.recs.get(src.untyped_storage().data_ptr())) is not None and r.torch_pinned else None
@@ -694,6 +803,7 @@ class _SimMode(TorchDispatchMode):
             sim.host_syncs += 1
             sim.flush(stream, pos)
             sim.host_observes(dict(stream.clock))
+            sim.host_t = max(sim.host_t, stream.t)
         return out
 
 
@@ -791,7 +901,7 @@ class _SimDevice:
 def _placement(device: torch.device) -> torch.device:
     """Where a simulated device's tensors are made: host memory, ``cpu:N`` for ``cuda:N`` (N > 0),
     so the simulator knows which device an allocation is for."""
-    return torch.device("cpu", device.index) if device.index else torch.device("cpu")
+    return torch.device("cpu", device.index) if device.index is not None else torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -847,6 +957,8 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         host_memory = importlib.import_module(rt.__name__ + ".host_memory")
         monkeypatch.setattr(device_memory, "_placement", _placement)
         monkeypatch.setattr(host_memory, "_host_buffer", host_buffer_of(host_memory._host_buffer))
+        hops = importlib.import_module(rt.__name__ + ".hops")
+        monkeypatch.setattr(hops, "_device_of", sim.device_of)
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))

@@ -1,18 +1,24 @@
 """VRAMCut engine: cut a model's forward at block boundaries and run it under a VRAM budget.
 
-Imports torch only, never ComfyUI. See ``Engine`` for the entry point.
+Imports torch only, never ComfyUI. See ``Engine`` for the entry point. The names below are the
+engine's public face, and the only ones the ComfyUI adapter (``nodes/``) may import.
 """
-from .engine import Engine, EngineConfig, TraceUnavailable
+from .bandwidth import host_to_device
+from .engine import Engine, EngineConfig, HostHooks, TraceUnavailable
 from .executor import SegmentedExecutor
 from .measure import signature
-from .plan import BudgetError, Plan, PlanOptions, PlanUnit, Segment, build_plan, gib_to_bytes, make_plan
-from .report import RunStats, plan_to_json, plan_to_text
+from .placement import parse_devices
+from .plan import BudgetError, Plan, PlanOptions, PlanUnit, Segment, build_plan, gib_text, gib_to_bytes, make_plan
+from .quant import parts as quant_parts
+from .report import RunStats, cost_to_json, plan_to_json, plan_to_text
+from .tensors import GIB, fmt_bytes, is_plain_tensor
 from .units import FAMILIES, Family, Unit, UnitSet, find_units, split_unit
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetError", "Engine", "EngineConfig", "FAMILIES", "Family", "Plan", "PlanOptions", "PlanUnit",
-    "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet", "build_plan", "find_units",
-    "gib_to_bytes", "make_plan", "plan_to_json", "plan_to_text", "signature", "split_unit",
+    "BudgetError", "Engine", "EngineConfig", "FAMILIES", "Family", "GIB", "HostHooks", "Plan", "PlanOptions",
+    "PlanUnit", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet", "build_plan",
+    "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
+    "make_plan", "parse_devices", "plan_to_json", "plan_to_text", "quant_parts", "signature", "split_unit",
 ]

@@ -121,6 +121,23 @@ def host_to_device(device) -> dict:
         return dict(entry)
 
 
+def cached_host_to_device(device) -> float | None:
+    """The host-to-``device`` bytes per second measured before (in this process or in the cache
+    file), without measuring now; None when there is none (or the device has no name here)."""
+    try:
+        key = device_key(device)
+    except Exception:  # a device this build of torch cannot name
+        return None
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return hit["bytes_per_s"]
+        cached = _read_cache().get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("bytes_per_s"), (int, float)) and cached["bytes_per_s"] > 0:
+        return float(cached["bytes_per_s"])
+    return None
+
+
 def measure_matmul(device, dtype=torch.float32, n: int | None = None, repeats: int = PROBE_REPEATS) -> float:
     """Floating-point operations per second of an ``n`` x ``n`` matrix product on ``device`` in
     ``dtype`` (best of ``repeats``, after one warm-up product; 2 n^3 operations each)."""

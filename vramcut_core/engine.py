@@ -27,6 +27,7 @@ difference is logged and kept in ``Engine.verify_results``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -35,13 +36,17 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .devices import DeviceGroup, check_hops, combined, combined_plan, placement_json, unit_devices
 from .executor import SegmentedExecutor
+from .placement import Placement, place
+from .runtime.hops import HOME
 from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .plan import STOPPED, BudgetError, Plan, PlanOptions, budget_error
+from .plan import STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, refit_reason
 from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, max_abs_diff
 from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
 from .planner import UnitPlanner
+from .speed import SPEEDS, UnitTimes
 
 log = logging.getLogger("vramcut")
 
@@ -59,20 +64,80 @@ class EngineConfig:
     family: str | None = None
     prefetch: bool = True
     residency: bool = True
-    pinned: tuple[str, ...] = ()     # unit name patterns that must stay resident
+    keep_resident: tuple[str, ...] = ()  # unit name patterns that must stay resident
     track_cpu_memory: bool = False   # measure activations on every CPU forward, not only the first
     pin_memory: bool = True          # page-lock host masters (CUDA); off: plain pageable copies
     keep_file_backed: bool = False   # file-mapped weights stay their own masters (no flat host
                                      # copy), streamed through a page-locked window (a fast disk)
     verify: bool = dataclasses.field(default_factory=verify_from_env)  # compare first forwards with unpatched
+    # residency chosen by predicted time ("time"), by bytes ("count") or "auto" (time on CUDA); see ``speed``
+    speed: str = "auto"
+    bandwidth_bytes_per_s: float | None = None  # host-to-device; None: the figure measured before, if any
+    flops_per_s: float | None = None            # compute throughput; None: measured once (``bandwidth``)
+    # per-device budgets in bytes, in the user's order (``placement.parse_devices``); empty: one
+    # device, ``device``, under ``budget_bytes``. Non-empty: ``device`` is the home device (inputs
+    # arrive and the output returns there) and one of them; ``budget_bytes`` is their sum
+    devices: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
+        if self.speed not in SPEEDS:
+            raise ValueError(f"speed must be one of {', '.join(SPEEDS)}, got {self.speed!r}")
+        for f in ("bandwidth_bytes_per_s", "flops_per_s"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"{f} must be a positive number or None, got {v!r}")
+        if self.devices:
+            _check_devices(self)
 
     @property
     def options(self) -> PlanOptions:
         return PlanOptions(prefetch=self.prefetch, residency=self.residency)
+
+
+def _check_devices(c: "EngineConfig") -> None:
+    names = []
+    for entry in c.devices:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise ValueError(f"devices: each entry is (device, budget bytes), got {entry!r}")
+        name, b = entry
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"devices: {name!r} is not a device") from None
+        if dev.index is None or (len(c.devices) > 1 and dev.type != "cuda"):
+            raise ValueError(f"devices: {name!r}: name each device with its index (cuda:N); "
+                             "several devices must all be CUDA devices")
+        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+            raise ValueError(f"devices: the budget of {name} must be a positive int of bytes, got {b!r}")
+        names.append(str(dev))
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices: a device is named twice ({', '.join(names)})")
+    home = torch.device(c.device)
+    if str(home) not in names:
+        raise ValueError(f"devices: the home device {c.device!r} (where inputs arrive and the output "
+                         f"returns) must be one of {', '.join(names)}")
+    total = sum(b for _, b in c.devices)
+    if c.budget_bytes != total:
+        raise ValueError(f"devices: budget_bytes ({c.budget_bytes}) must be the devices' budgets summed ({total})")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostHooks:
+    """What a host tells an engine of its own use of the device, given once at construction.
+
+    ``alloc_context()`` is entered around every device allocation the engine makes (a host that
+    records allocation graphs keeps the engine's out of them). ``reader_streams()`` lists the
+    host's other streams that may read weights while they are swapped in (its offload streams):
+    each is ordered after the copies, as the compute stream is. ``page_lock_room()`` gives the
+    bytes the host's own page-lock limit leaves after what the host locked itself; the engines'
+    page-locked bytes stay within it (the process has one ledger: the last host to give one
+    sets it)."""
+
+    alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    reader_streams: Callable[[], list] | None = None
+    page_lock_room: Callable[[], int] | None = None
 
 
 class TraceUnavailable(RuntimeError):
@@ -80,21 +145,42 @@ class TraceUnavailable(RuntimeError):
 
 
 class Engine:
+    """The engine's public face, and the adapter's only door: a host builds one per module with
+    its ``HostHooks`` and runs forwards through ``run`` / ``run_as``."""
+
     def __init__(self, module: nn.Module, config: EngineConfig,
-                 on_plan: Callable[["Engine", Plan, tuple], None] | None = None) -> None:
+                 on_plan: Callable[["Engine", Plan, tuple], None] | None = None,
+                 host: HostHooks | None = None) -> None:
         self.module = module
         self.on_plan = on_plan
-        self.planner = UnitPlanner(module, config)
-        self.executor = SegmentedExecutor(self.planner.unit, config.device, pin_memory=config.pin_memory,
-                                          track_cpu_memory=config.track_cpu_memory, module=module,
-                                          keep_file_backed=config.keep_file_backed)
-        self.planner.unit_bytes = self.executor.unit_device_bytes
+        host = host or HostHooks()
+        self.planner = UnitPlanner(module, config, lambda name: self.executor.unit_device_bytes(name))
+
+        def make(device):
+            return SegmentedExecutor(self.planner.unit, device, pin_memory=config.pin_memory,
+                                     track_cpu_memory=config.track_cpu_memory, module=module,
+                                     keep_file_backed=config.keep_file_backed,
+                                     alloc_context=host.alloc_context, reader_streams=host.reader_streams,
+                                     page_lock_room=host.page_lock_room)
+
+        # more than one device: one executor per device (the home one answers for the engine)
+        self.group: DeviceGroup | None = None
+        if len(config.devices) > 1:
+            self.group = DeviceGroup(make, config.devices, config.device)
+            self.executor = self.group.executor_of(config.device)
+        else:
+            self.executor = make(config.device)
+        self.executors = self.group.executors if self.group is not None else [self.executor]
+        self._placed: dict[tuple, tuple[Placement, str, list]] = {}  # sig -> placement, hop rule, dry-run hops
+        self.device_stats: dict[str, RunStats] = {}   # per device, the forwards that ran a placement
+        self.last_device_stats: dict[str, RunStats] = {}
         self.planner.block_bytes = self.executor.memory.block_bytes
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
         self._failed: dict[tuple, BudgetError] = {}
         self.measurements: dict[tuple, dict[str, UnitMeasurement]] = {}
         self.traces: dict[tuple, TraceResult] = {}  # the dry run's profile per input signature
+        self.times = UnitTimes(self.planner.top)    # measured compute seconds per unit, per signature
         self._replanned: dict[tuple, str] = {}  # signatures a steady forward's peak sent back to measuring: why
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
@@ -126,15 +212,15 @@ class Engine:
         sets new Parameter objects); plans stay cached when the unit names did not change.
         Skipped while the executor holds the weights of an all-resident plan between forwards:
         whoever replaces or writes weights inside a session calls ``weights_changed`` first."""
-        if self.executor.holds_weights or not self.planner.stale():
+        if any(ex.holds_weights for ex in self.executors) or not self.planner.stale():
             return
-        self.executor.forget_units()
+        for ex in self.executors:
+            ex.forget_units()
         if self.planner.refind():
-            self._plans.clear()
-            self._joined.clear()
-            self._failed.clear()
+            self._forget_plans()
             self.measurements.clear()
             self.traces.clear()
+            self.times.forget()
 
     # -- the first forward of a signature ----------------------------------------------------
 
@@ -178,8 +264,8 @@ class Engine:
             return (*self._measure(fn, args, kwargs), MEASURED)
         plan = self.planner.measured_plan(dict(tr.measurements), TRACED)  # refuses a budget too small
         if self.executor.cuda:
-            pinned = self.planner.pinned_bytes()
-            return (*self._measure(fn, args, kwargs, self.config.budget_bytes - pinned - tr.peak_bytes), TRACED)
+            required = self.planner.keep_resident_bytes()
+            return (*self._measure(fn, args, kwargs, self.config.budget_bytes - required - tr.peak_bytes), TRACED)
         try:
             out, stats, meas = self.executor.forward(plan, fn, *args, measure=True,
                                                      limit_bytes=self.config.budget_bytes, **kwargs)
@@ -194,7 +280,8 @@ class Engine:
         """The dry run's profile of ``sig``, cached (a failure only with ``keep_failure``)."""
         tr = self.traces.get(sig)
         if tr is None:
-            self.executor.restore_weights()  # the dry run swaps the registries the held copies use
+            for ex in self.executors:
+                ex.restore_weights()  # the dry run swaps the registries the held copies use
             tr = trace_units(self.module, self.unitset.units, fn, args, kwargs)
             if tr.measurements is not None or keep_failure:
                 self.traces[sig] = tr
@@ -209,6 +296,8 @@ class Engine:
         tr = self._trace(sig, fn, args, kwargs, keep_failure=False)
         if tr.measurements is None:
             raise TraceUnavailable(tr.reason or "the dry run gave no figures")
+        if self.group is not None:  # the placement, drawn as one plan
+            return combined_plan(self._place(dict(tr.measurements)), TRACED)
         return self.planner.measured_plan(dict(tr.measurements), TRACED)
 
     def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> Plan | None:
@@ -218,64 +307,135 @@ class Engine:
 
     def session(self):
         """Keep device buffers between forwards (a sampling run); release them at the end."""
-        return self.executor.session()
+        if self.group is None:
+            return self.executor.session()
+        stack = contextlib.ExitStack()
+        for ex in self.executors:
+            stack.enter_context(ex.session())
+        return stack
 
     def release(self) -> None:
-        self.executor.release()
+        for ex in self.executors:
+            ex.release()
 
     def set_budget(self, budget_bytes: int) -> None:
-        """A new budget (resolved late, from the device's free memory): plans and failures made
-        for the old one are dropped; measurements stay."""
-        if budget_bytes != self.config.budget_bytes:
-            self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
-            self._plans.clear()
-            self._joined.clear()
-            self._failed.clear()
+        """A new budget (resolved late, from the device's free memory, maybe before every step).
+        The plan running is kept while the budget still holds its peak and has not grown past
+        ``plan.REFIT_MARGIN`` (``plan.refit_reason``: no churn when free memory wobbles); else
+        every cached plan is made again at once from its measurements (no forward measures
+        again), carrying the reason (``Plan.refit``). Failures made for the old budget are
+        dropped; measurements stay."""
+        old = self.config.budget_bytes
+        if budget_bytes == old:
+            return
+        self.config = dataclasses.replace(self.config, budget_bytes=budget_bytes)
+        self._failed.clear()
+        plan = self._plans.get(self.last_signature) if self.last_signature is not None else None
+        why = refit_reason(plan, budget_bytes) if plan is not None else ""
+        if why is None:
+            return
+        plans = dict(self._plans)
+        self._forget_plans()
+        if not why:
+            return  # nothing planned yet
+        log.warning("VRAMCut: %s; planning again", why)
+        if not self.running:
+            self.release()  # the old plan's buffers go before the new plan allocates
+        refit = Refit(why, budget_bytes, plan.budget_bytes)
+        for sig, p in plans.items():
+            if sig not in self.measurements:
+                continue
+            try:
+                self._plans[sig] = dataclasses.replace(
+                    self.planner.measured_plan(self.measurements[sig], p.source, self.times.seconds(sig)), refit=refit)
+            except BudgetError as e:
+                self._failed[sig] = e
+        new = self._plans.get(self.last_signature)
+        if new is not None:
+            self.last_plan = new
+            if self.on_plan is not None:
+                self.on_plan(self, new, self.last_signature)
+
+    def _forget_plans(self) -> None:
+        """Drop the plans cached per signature, the shapes sharing them and the failures."""
+        self._plans.clear()
+        self._joined.clear()
+        self._failed.clear()
+        self._placed.clear()
 
     def keep_buffers(self, keep: bool) -> None:
         """Hold device buffers between forwards (a host that ends runs with a callback)."""
-        self.executor.keep_buffers = keep
-        if not keep and not self.executor.running:
-            self.executor.release()
+        for ex in self.executors:
+            ex.keep_buffers = keep
+            if not keep and not ex.running:
+                ex.release()
 
     def hold_weights(self, hold: bool) -> None:
         """With buffers kept between forwards (``keep_buffers``), also keep an all-resident plan's
         weights swapped in between forwards, so a forward runs no hooks and no pointer swaps
         (a session always does). Turned off, the module points at its masters again."""
-        self.executor.hold_weights = hold
-        if not hold and not self.executor.running:
-            self.executor.restore_weights()
+        for ex in self.executors:
+            ex.hold_weights = hold
+            if not hold and not ex.running:
+                ex.restore_weights()
 
     def weights_changed(self) -> None:
         """The host wrote into the module's weights in place (hook LoRAs between forwards):
         device copies held between forwards are copied again before the next forward reads them."""
-        self.executor.invalidate()
+        for ex in self.executors:
+            ex.invalidate()
 
-    def order_streams(self, streams: Callable[[], list] | None) -> None:
-        """``streams()`` lists the other streams that may read weights while they are swapped in
-        (a host's offload streams); each is ordered after the copies, as the compute stream is."""
-        self.executor.reader_streams = streams
+    @property
+    def running(self) -> bool:
+        """A forward of this engine runs now (its hooks hold the module's weights)."""
+        return any(ex.running for ex in self.executors)
 
-    def activation_need(self, args: tuple = (), kwargs: dict | None = None) -> int | None:
-        """Measured activation bytes of a forward with these inputs (None before it has run):
-        what a host should count for the call, the weights being the engine's own business."""
-        plan = self.plan_for(args, kwargs)
-        return None if plan is None else plan.activation_reserve_bytes
+    @property
+    def device(self) -> torch.device:
+        """The home device: inputs arrive and the output returns there."""
+        return self.executor.device
 
     @property
     def held_bytes(self) -> int:
-        """Device bytes the engine holds now (weights kept between forwards)."""
-        return self.executor.device_bytes
+        """Device bytes the engine holds now (weights kept between forwards), all devices."""
+        return sum(ex.device_bytes for ex in self.executors)
 
-    def run(self, fn: Callable, *args, **kwargs):
-        """Run ``fn(*args, **kwargs)``, a forward of the module, segmented under the budget."""
-        return self.run_as(signature(args, kwargs), fn, *args, **kwargs)
+    @property
+    def held_bytes_by_device(self) -> dict[str, int]:
+        """Device bytes the engine holds now, per device."""
+        return {str(ex.device): ex.device_bytes for ex in self.executors}
 
-    def run_as(self, sig: tuple, fn: Callable, *args, **kwargs):
+    @property
+    def placement(self) -> Placement | None:
+        """The placement the last forward ran (None on one device)."""
+        got = self._placed.get(self.last_signature) if self.last_signature is not None else None
+        return got[0] if got else None
+
+    def run(self, fn: Callable, *args, on_loaded: Callable | None = None, **kwargs):
+        """Run ``fn(*args, **kwargs)``, a forward of the module, segmented under the budget.
+
+        ``on_loaded(unit)``, for this forward, is called once a fresh device copy of a unit's
+        weights is usable by compute, before any of its modules runs: a host merges weight
+        patches (LoRA) into the device copy there."""
+        return self.run_as(signature(args, kwargs), fn, *args, on_loaded=on_loaded, **kwargs)
+
+    def run_as(self, sig: tuple, fn: Callable, *args, on_loaded: Callable | None = None, **kwargs):
         """``run`` with the input signature given (for calls whose inputs are not tensors yet,
         such as a text encoder's token lists)."""
         if tracing():  # reached from inside a dry run: its tensors are fakes, nothing to plan
             return fn(*args, **kwargs)
+        outers = [ex.on_loaded for ex in self.executors]
+        for ex in self.executors:
+            ex.on_loaded = on_loaded
+        try:
+            if self.group is not None:
+                return self._run_placed(sig, fn, args, kwargs)
+            return self._run_as(sig, fn, args, kwargs)
+        finally:
+            for ex, outer in zip(self.executors, outers):
+                ex.on_loaded = outer
+
+    def _run_as(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
         self.revalidate()
         failed = self._failed.get(sig)
         if failed is not None:
@@ -286,7 +446,8 @@ class Engine:
                 out, stats, meas, source = self._guard(lambda f, a, k: self._first_forward(sig, f, a, k),
                                                        fn, args, kwargs)
                 meas = self.measurements[sig] = _grown(self.measurements.get(sig), meas)
-                plan = self.planner.measured_plan(meas, source)
+                self.times.measured(sig, self.executor.take_clock())
+                plan = self.planner.measured_plan(meas, source, self.times.seconds(sig))
                 why = self._replanned.get(sig)
                 if why:  # the node shows why this shape was planned again (the new plan only)
                     plan = dataclasses.replace(plan, warnings=plan.warnings + (f"planned again: {why}",))
@@ -301,7 +462,7 @@ class Engine:
             if self.on_plan is not None:
                 self.on_plan(self, plan, sig)
             return out
-        plan = self._steady(sig, plan)
+        plan = self._steady(sig, self._retimed(sig, plan))
         out, stats, _ = self._guard(lambda f, a, k: self.executor.forward(plan, f, *a, **k), fn, args, kwargs)
         self._record(plan, sig, stats)
         self.steady_stats.add(stats)
@@ -316,7 +477,124 @@ class Engine:
             self.traces.pop(sig, None)  # the dry run runs the host's code again too
             log.warning("VRAMCut: %s; the next one measures again and plans once more", why)
         return out
+
+    # -- several devices ---------------------------------------------------------------------
+
+    def _place(self, meas: dict[str, UnitMeasurement]) -> Placement:
+        """The placement of the units on the config's devices from per-unit figures (in the order
+        the forward entered them); a ``BudgetError`` when no placement fits."""
+        pl = self.planner
+        order = [n for n in meas if n in pl.all] + [u.name for u in pl.unitset.units if u.name not in meas]
+        units = [pl.plan_unit(pl.all[n], meas) for n in order]
+        return place(units, list(self.config.devices), pl.options, warnings=pl.unitset.warnings)
+
+    def _run_placed(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
+        """``run_as`` on several devices: the first forward of a signature plans from the dry run
+        (a budget too small is refused before anything moves), chooses the hop rule on fake
+        devices, and runs the placement measuring, within each device's budget (stopped before
+        passing one, it plans again from what it saw); later forwards run the placement planned
+        from the measured figures. A device over its budget on a later forward sends the
+        signature back to measuring, once."""
+        self.revalidate()
+        failed = self._failed.get(sig)
+        if failed is not None:
+            raise failed
+        placed = self._placed.get(sig)
+        first = placed is None
+        if first:
+            try:
+                out, stats, placed = self._first_placed(sig, fn, args, kwargs)
+            except BudgetError as e:
+                self._failed[sig] = e
+                raise
+        else:
+            pl, rule, _ = placed
+            out, stats, _ = self._guard(lambda f, a, k: self.group.forward(pl, self.planner.unit, rule, f, a, k),
+                                        fn, args, kwargs)
+            over = [(d, stats[d.device].peak_device_bytes) for d in pl.used
+                    if stats[d.device].peak_device_bytes > d.budget_bytes]
+            if over and sig not in self._replanned:  # measure again and place once more (see _run_as)
+                why = "; ".join(f"{d.device} peaked at {fmt_bytes(p)}, above its budget {fmt_bytes(d.budget_bytes)}"
+                                for d, p in over)
+                self._replanned[sig] = why
+                del self._placed[sig]
+                log.warning("VRAMCut: %s; the next forward measures again and places once more", why)
+        plan = combined_plan(placed[0], TRACED, self._placed_warnings(sig))
+        self._plans[sig] = plan
+        for dev, st in stats.items():
+            self.device_stats.setdefault(dev, RunStats()).add(st)
+        self.last_device_stats = stats
+        one = combined(stats)
+        self._record(plan, sig, one)
+        if not first:
+            self.steady_stats.add(one)
+        if self.on_plan is not None and first:
+            self.on_plan(self, plan, sig)
         return out
+
+    def _retimed(self, sig: tuple, plan: Plan) -> Plan:
+        """The plan of ``sig`` made again, once, when its measuring forward's unit times have just
+        become readable (CUDA: its events completed; asked without waiting): measured compute
+        times replace the dry run's estimate."""
+        if not self.times.ready(sig) or self._plans.get(sig) is not plan or sig not in self.measurements:
+            return plan
+        new = self.planner.measured_plan(self.measurements[sig], plan.source, self.times.seconds(sig))
+        again = tuple(w for w in plan.warnings if w.startswith("planned again") and w not in new.warnings)
+        new = self._plans[sig] = dataclasses.replace(new, warnings=new.warnings + again, refit=plan.refit)
+        if self.on_plan is not None:
+            self.on_plan(self, new, sig)
+        return new
+
+    def _placed_warnings(self, sig: tuple) -> tuple:
+        why = self._replanned.get(sig)
+        return (f"planned again: {why}",) if why else ()
+
+    def _first_placed(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict):
+        tr = self._trace(sig, fn, args, kwargs)
+        if tr.measurements is None:
+            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
+                f"VRAMCut: a plan across devices needs the dry run, which could not run these inputs "
+                f"({tr.reason}); name one device (devices={self.config.device}=GIB, or no devices) to run "
+                "on one GPU"))
+        meas = {n: dataclasses.replace(m) for n, m in tr.measurements.items()}
+        pl = self._place(meas)
+        check = check_hops(self.module, unit_devices(pl, self.planner.unit), torch.device(self.config.device),
+                           fn, args, kwargs)
+        if check.rule is None:
+            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
+                "VRAMCut: this model's forward mixes tensors of different devices between its blocks "
+                f"under any hop rule ({'; '.join(f'{r}: {why}' for r, why in check.reasons.items())}); "
+                f"name one device (devices={self.config.device}=GIB, or no devices) to run on one GPU"))
+        for _ in range(4):
+            try:
+                out, stats, got = self._guard(lambda f, a, k: self.group.forward(
+                    pl, self.planner.unit, check.rule, f, a, k, measure=True), fn, args, kwargs)
+                break
+            except OverBudget as e:
+                name = self.planner.top(e.unit) if e.unit else None
+                if name not in meas:
+                    raise
+                m = meas[name]
+                log.warning("VRAMCut: the first forward on %d devices passed the traced plan in '%s' (%s "
+                            "activations); placing again", len(self.config.devices), e.unit,
+                            fmt_bytes(e.activation_bytes))
+                m.peak_bytes = max(m.peak_bytes, e.activation_bytes) + self.planner.block_bytes
+                pl = self._place(meas)
+        else:
+            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
+                "VRAMCut: the first forward across devices passed a device's budget four times; "
+                "give the devices more room"))
+        meas = self.measurements[sig] = _grown(self.measurements.get(sig), self.planner.aggregate(got))
+        if self.config.verify:
+            self.verify_results.append(verify_unpatched(sig, out, fn, args, kwargs))
+        placed = (self._place(meas), check.rule, check.hops)
+        if unit_devices(placed[0], self.planner.unit) != unit_devices(pl, self.planner.unit):
+            # the measured figures moved a cut: the hops of the new placement, on fake devices
+            check = check_hops(self.module, unit_devices(placed[0], self.planner.unit),
+                               torch.device(self.config.device), fn, args, kwargs)
+            placed = (placed[0], check.rule or HOME, check.hops)
+        self._placed[sig] = placed
+        return out, stats, placed
 
     def _steady(self, sig: tuple, plan: Plan) -> Plan:
         """The plan to run ``sig`` with: its own, or, when it alternates with the last shape while
@@ -331,7 +609,7 @@ class Engine:
         if meas is None:
             return plan
         try:
-            joint = self.planner.measured_plan(meas, plan.source)
+            joint = self.planner.measured_plan(meas, plan.source, self.times.seconds(sig))
         except BudgetError:
             return plan
         for s in group:
@@ -374,10 +652,23 @@ class Engine:
                 f"\nverify {r['signature']}: " + (f"could not run the unpatched forward ({r['error']})" if r["error"]
                                                   else f"max |segmented - unpatched| = {r['max_abs_diff']:g}")
                 for r in self.verify_results),
-            "plan": plan_to_json(plan, self.stats if plan.measured else None,
-                                 self.steady_stats if plan.measured else None),
+            "plan": self._plan_json(plan, sig),
             "verify": list(self.verify_results),
         }
+
+    def _plan_json(self, plan: Plan, sig: tuple | None) -> dict:
+        out = plan_to_json(plan, self.stats if plan.measured else None,
+                           self.steady_stats if plan.measured else None)
+        placed = self._placed.get(sig) if sig is not None else None
+        if placed is not None:
+            pl, rule, dry = placed
+            ran = self.group.last_hops.summary() if self.group.last_hops is not None else dry
+            extra = placement_json(pl, ran, {d: s.peak_device_bytes for d, s in self.device_stats.items()})
+            out.update(extra)
+            out["hop_rule"] = rule
+            out["peak_bytes"] = sum(d["peak_bytes"] for d in extra["devices"])
+            out["window_bytes"] = sum(d["window_bytes"] for d in extra["devices"])
+        return out
 
 
 def _stopped_error(base: Plan, e: OverBudget, budget: int, unit_bytes: Callable[[str], int]) -> BudgetError:
@@ -442,4 +733,4 @@ def verify_unpatched(sig: tuple, out, fn: Callable, args: tuple, kwargs: dict) -
 
 
 
-__all__ = ["Engine", "EngineConfig", "BudgetError", "TraceUnavailable"]
+__all__ = ["Engine", "EngineConfig", "HostHooks", "BudgetError", "TraceUnavailable"]

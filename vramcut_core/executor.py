@@ -1,61 +1,20 @@
-"""The segmented executor: runs a module's forward under a plan.
+"""The segmented executor: runs a module's forward under a plan, on CPU and CUDA alike (so CPU
+tests exercise all of it).
 
-Mechanics (the same on CPU and CUDA, so CPU tests exercise all of it):
+It orchestrates one forward and owns only what spans the rooms: the session (buffers kept
+between forwards), the plan switch, which unit runs (entered through ``unit_hooks``: nothing
+counts calls, so skipped, replaced and repeated blocks are fine), the prefetch of the next
+streamed segment on entry, the held-plan policy (inside a session, or with ``hold_weights``, an
+all-resident plan keeps its weights swapped in between forwards), release, ``invalidate`` and
+the failure bookkeeping. The resources live in ``vramcut_core.runtime``, one owner each, and
+their module docstrings say what each owns and the rule it keeps: ``host_memory`` (masters,
+page-locking, the bounce buffer of file-backed weights), ``device_memory`` (buffers, slots,
+byte counts), ``transfers`` (copy stream, events, prefetch order, reader ordering), ``binding``
+(pointer swaps, held weights), ``unit_hooks`` and ``measuring`` (one forward's measurement).
 
-* Host masters. A unit's tensors stay where the model keeps them. On CUDA, a streamed unit's
-  plain tensors are moved once into one exact-size flat host buffer per unit, page-locked with
-  ``cudaHostRegister`` where possible; the parameters then live there, so that buffer *is* the
-  master: no second host copy, and nothing is ever copied back on eviction. On CPU, or where
-  pinning fails, the tensors are their own masters and are copied one by one.
-* Device memory it owns. Resident units get one flat device buffer each; streamed segments
-  (adjacent streamed units the plan merged) cycle through (at most) two slot buffers of the
-  plan's slot size, a segment's units back to back in one slot. Every byte placed on the device is
-  counted (``device_bytes``, ``peak_weight_bytes``).
-* Pointer swaps. While a unit's weights are on the device, its parameters' ``.data`` point at
-  views of the executor's buffers; quantized tensor subclasses are taken apart into their inner
-  tensors (``quant``), which sit in the same flat buffers, and the layer sees a new object of
-  the same type around the device views, its metadata intact (a subclass that cannot be taken
-  apart is moved as an object beside the slots, and counted); afterwards they point back at
-  their masters. After a forward the model holds the same Parameter objects as before.
-* Scheduling by unit. Forward pre-hooks tell the executor which unit runs; nothing counts
-  calls, so skipped blocks, replaced blocks and blocks run twice are all fine. A measuring
-  forward hooks every module that reads a unit's tensors; other forwards hook only streamed
-  units, at their roots where every measuring forward saw the unit's modules run inside a root's
-  call (else at every module, as a UNet's timestep-embed sequential needs). Entering a streamed
-  unit waits for its segment's copy (or loads the segment then), and starts copying the next
-  streamed segment into the other slot.
-* One transfer per segment. A segment's units are copied one after another (on CUDA from each
-  unit's own host master) between one wait and one event, which all its units share.
-* Prefetch (CUDA). Copies run on a side stream. Compute waits only on the event of the copy it
-  needs, and a copy into a slot first waits on an event recorded on the compute stream, so it
-  never overwrites weights that queued kernels still read.
-* Exact restore. Hooks are removed and every tensor is pointed back at its master in
-  ``finally``: after a forward, an exception or an interrupt the module is as it was. One
-  exception, for bookkeeping near zero: inside a session (or a host's sampling run, with
-  ``hold_weights``) a plan that keeps every unit resident keeps its weights swapped in between
-  forwards, so a forward runs no hook and swaps no pointer; they go back on release (the
-  session's end), an error, an interrupt, ``invalidate``, a new plan, and before any forward of
-  the module that is not ours.
-* Host masters are owned for the process: shared by executors on the same tensors, kept across
-  sessions, page-locked up to a cap (``PIN_FRACTION`` of RAM, portable to every GPU), unpinned by
-  a finalizer once the copies reading them have finished. A failed registration's pending CUDA
-  error is cleared where it happens. A pageable master is copied through a page-locked staging
-  buffer, so the copy stays asynchronous.
-* File-backed weights (``keep_file_backed``: the host streams a memory-mapped checkpoint from a
-  fast disk) get no flat master: the mapped tensors are the masters, and their bytes pass
-  through a small page-locked window (pieces reused after the copy reading them), so the host
-  RAM the executor adds is the window, not the model.
-* Other readers. Streams the host reads weights on (offload-stream casts) are handed in as
-  ``reader_streams`` and wait on the same copy events as the compute stream.
-* Every CUDA synchronisation point carries a comment naming the hazard it prevents; the tests
-  run this branch on a simulated accelerator (tests/sim_cuda.py) that fails on each hazard it
-  models (``runtime.transfers`` names the two it does not).
-
-This module orchestrates one forward; the resources live in ``vramcut_core.runtime``, one owner
-each: ``host_memory`` (masters, page-locking), ``device_memory`` (buffers, slots, layouts, byte
-counts), ``transfers`` (copy stream, events, prefetch order, reader ordering), ``binding``
-(pointer swaps, held weights) and ``unit_hooks`` (which module calls enter a unit). It owns the
-session, the plan switch, the per-forward measurement and statistics, and nothing else.
+The one rule: after a forward, an exception or an interrupt the module is exactly as it was
+(hooks removed, every tensor pointed back at its master in ``finally``), held weights excepted,
+which go back on release, an error, ``invalidate``, a new plan and any forward not ours.
 """
 from __future__ import annotations
 
@@ -71,8 +30,7 @@ from .plan import Plan
 from .report import RunStats
 from .runtime.binding import Binding
 from .runtime.device_memory import DeviceCopy, DeviceMemory, Slot
-from .runtime.host_memory import PINNED, HostMasters  # noqa: F401  (PINNED: callers read the ledger here)
-from .runtime.layout import Layout
+from .runtime.host_memory import PAGE_LOCKED, HostMasters
 from .runtime.measuring import Measuring
 from .runtime.transfers import Transfers
 from .runtime.unit_hooks import UnitHooks
@@ -82,7 +40,7 @@ _EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.We
 
 
 def _delegate(room: str, attr: str, doc: str) -> property:
-    """An attribute callers set on the executor that belongs to one of its rooms."""
+    """An attribute of the executor that belongs to one of its rooms."""
     return property(lambda self: getattr(getattr(self, room), attr),
                     lambda self, v: setattr(getattr(self, room), attr, v), doc=doc)
 
@@ -98,22 +56,25 @@ class SegmentedExecutor:
 
     device_bytes = _delegate("memory", "bytes", "Device bytes the executor holds now.")
     peak_weight_bytes = _delegate("memory", "peak", "This forward's peak of device bytes held.")
-    alloc_context = _delegate("memory", "alloc_context", "Entered around every device allocation of a forward.")
-    reader_streams = _delegate("transfers", "reader_streams", "The host's streams that read swapped-in weights.")
 
     def __init__(self, units: Callable[[str], Unit], device: torch.device | str,
                  pin_memory: bool | None = None, track_cpu_memory: bool = False,
-                 module: nn.Module | None = None, keep_file_backed: bool = False) -> None:
+                 module: nn.Module | None = None, keep_file_backed: bool = False,
+                 alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 reader_streams: Callable[[], list] | None = None,
+                 page_lock_room: Callable[[], int] | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._unit = units
         self.track_cpu_memory = track_cpu_memory  # meter every CPU forward (slow), not only measured ones
+        if page_lock_room is not None:
+            PAGE_LOCKED.room = page_lock_room  # the process's one ledger follows the host's limit
         # the rooms; each registers the finalizer for what it owns
-        self.memory = DeviceMemory(units, self.device)
+        self.memory = DeviceMemory(units, self.device, alloc_context)
         pin = self.cuda if pin_memory is None else (pin_memory and self.cuda)
         self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place, keep_file_backed)
         self.binding = Binding(units, self.memory.layout)
-        self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units)
+        self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units, reader_streams)
         self.hooks = UnitHooks(units, self)
         self.measuring = Measuring(self.device, self.memory, units)
         self._in_session = 0
@@ -132,6 +93,7 @@ class SegmentedExecutor:
         # of its modules runs: the host merges weight patches (LoRA) into the device copy there.
         self.on_loaded: Callable[[Unit], None] | None = None
         self._stale_copies = False
+        self.group = None  # the executors of one engine on several devices (they coexist)
         if module is not None:  # executors on one module hold device buffers one at a time
             _EXECUTORS.setdefault(module, weakref.WeakSet()).add(self)
         self._module = weakref.ref(module) if module is not None else None
@@ -200,7 +162,7 @@ class SegmentedExecutor:
             global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())
             out = fn(*args, **kwargs)
             ok = True
-            return out, stats, ms.finish(self._current)
+            return out, stats, ms.finish()
         except torch.OutOfMemoryError:
             if capped is None:
                 raise
@@ -273,7 +235,8 @@ class SegmentedExecutor:
         if mod is None:
             return
         for other in list(_EXECUTORS.get(mod, ())):
-            if other is not self and not other.running and other.device_bytes:
+            if other is not self and not other.running and other.device_bytes and (
+                    other.group is None or other.group is not self.group):
                 other.release()
 
     def forget_units(self) -> None:
@@ -282,8 +245,11 @@ class SegmentedExecutor:
         self.masters.forget()
         self.memory.forget_layouts()
 
-    def layout(self, name: str) -> Layout:
-        return self.memory.layout(name)
+    def take_clock(self):
+        """The unit clock of the last measured forward that finished (``runtime.measuring.UnitClock``),
+        once; None when none ran since."""
+        clock, self.measuring.done_clock = self.measuring.done_clock, None
+        return clock
 
     def unit_device_bytes(self, name: str) -> int:
         return self.memory.unit_bytes(name)
@@ -309,7 +275,7 @@ class SegmentedExecutor:
         self._stale_copies = False
         while len(mem.slots) < plan.slots:
             mem.slots.append(Slot(mem.alloc(plan.slot_bytes)))
-        self.transfers.plan(plan)
+        self.transfers.use_plan(plan)
         self.binding.swap_in_buffers(mem, self._loaded)
         if (groups and plan.slots and mem.slot_of(groups[0][0]) is None
                 and mem.group_bytes(groups[0]) <= plan.slot_bytes):  # a measuring slot may not hold it
@@ -350,6 +316,7 @@ class SegmentedExecutor:
         nxt = tr.next.get(name)
         if nxt is not None and len(mem.slots) >= 2 and mem.slot_of(nxt[0]) is None:
             self._load_into_slot(nxt, mem.other_slot(self._last_streamed), sync=not self.cuda)
+        self.measuring.entered(name)
 
     def _loaded(self, name: str, dc: DeviceCopy) -> None:
         """Run ``on_loaded`` once per device copy, when the copy is usable by compute."""
@@ -357,8 +324,8 @@ class SegmentedExecutor:
             return
         dc.patched = True
         # not paused for the meter: what the hook allocates (a merge's temporaries) is device
-        # memory the unit's window really uses
-        with self.alloc_context():
+        # memory the unit really uses
+        with self.memory.alloc_context():
             self.on_loaded(self._unit(name))
 
     # -- held weights: an all-resident plan between forwards ---------------------------------

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .tensors import is_plain_tensor
 
 
 
@@ -99,15 +102,47 @@ def _most(values) -> int | None:
     return None if any(v is None for v in values) else max(values, default=None)
 
 
-def record_entry(meas: dict[str, UnitMeasurement], name: str, live: int) -> None:
-    """A unit entered with ``live`` activation bytes: its first entry, or one more pass (a unit
-    entered again after another one ran), keeping the largest entry."""
-    m = meas.get(name)
-    if m is None:
-        meas[name] = UnitMeasurement(live, live)
-    else:
-        m.calls += 1
-        m.entry_bytes = max(m.entry_bytes, live)
+class UnitRecorder:
+    """What a forward did per unit, recorded one way for the dry run (``trace``) and the measuring
+    forward (``runtime.measuring``), so traced and measured figures cannot drift apart: the live
+    activation bytes at each entry of a unit (the largest, when a unit is entered again after
+    another one ran: a decoder run once per frame), the most live bytes while it ran, how many
+    separate entries, and which of its modules ran. The caller reads the bytes from its meter."""
+
+    def __init__(self) -> None:
+        self.meas: dict[str, UnitMeasurement] = {}   # in entry order
+        self.current: str | None = None
+        self._modules: set[int] = set()
+
+    def saw(self, module) -> None:
+        """A module of the running unit was called (which parts of a unit ran: for finer cuts)."""
+        self._modules.add(id(module))
+
+    def enter(self, name: str, live: int) -> None:
+        """Unit ``name`` starts with ``live`` activation bytes (first entry, or one more pass)."""
+        m = self.meas.get(name)
+        if m is None:
+            self.meas[name] = UnitMeasurement(live, live)
+        else:
+            m.calls += 1
+            m.entry_bytes = max(m.entry_bytes, live)
+        self.current = name
+
+    def leave(self, peak: int) -> None:
+        """The running unit ends, having seen at most ``peak`` live activation bytes."""
+        if self.current is not None:
+            m = self.meas[self.current]
+            m.peak_bytes = max(m.peak_bytes, peak)
+        self.current = None
+
+    def finish(self, hook_modules: Callable[[str], list], peak: int | None = None) -> dict[str, UnitMeasurement]:
+        """The figures by unit, in entry order; ``peak`` closes the unit still running, and
+        ``hook_modules(name)`` lists a unit's modules (those that ran are kept)."""
+        if peak is not None:
+            self.leave(peak)
+        for n, m in self.meas.items():
+            m.modules = frozenset(id(x) for x in hook_modules(n) if id(x) in self._modules)
+        return dict(self.meas)
 
 
 class OverBudget(RuntimeError):
@@ -148,7 +183,7 @@ def _has_storage(a) -> bool:
     quantized weight whose bytes are its inner tensors, counted when they are created)."""
     if not isinstance(a, torch.Tensor) or a.is_meta or a.layout != torch.strided:
         return False
-    return type(a) in (torch.Tensor, torch.nn.Parameter) or not hasattr(a, "__tensor_flatten__")
+    return is_plain_tensor(a) or not hasattr(a, "__tensor_flatten__")
 
 
 class _LiveBytesMode(TorchDispatchMode):

@@ -12,20 +12,23 @@ a unit whose activations were not measured counts 0 there, and the placement say
 (``Placement.hop_bytes_known``).
 
 The placement chosen has the fewest host-link bytes per forward, then the fewest hops, then the
-fewest hop bytes, then the most units on the devices named first (exact, by dynamic programming
-over the cut points). The predicted step time (``timeline.simulate`` with a ``Step`` per segment
-on its device and the hop times) is not yet a criterion. One device gives exactly
-``plan.make_plan``'s plan (the finer cut included). A set of budgets too small in total is refused
-with ``BudgetError`` (``plan.budget_error``) naming the smallest budgets in the same proportions
-and their total.
+fewest hop bytes, then the shortest predicted step where ``bytes_per_s`` is given and every unit
+has its compute time (each device's plan through ``timeline.predict``, summed: a device's copies
+taken as hidden only behind its own compute), then the most units on the devices named first
+(exact, by dynamic programming over the cut points). One device gives exactly ``plan.make_plan``'s
+plan (the finer cut included). A set of budgets too small in total is refused with a
+``BudgetError`` of its own (``devices_error``): the budgets given, and the smallest budgets that
+work in the same proportions, per device and in all, in ``max_vram_gb``'s GiB (``plan.gib_text``).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Sequence
 
-from .plan import (BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, budget_error, build_plan,
-                   gib_text, make_plan)
+from .plan import (WEIGHTS_ALONE, BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan, gib_text,
+                   make_plan)
+from .plan import gib_to_bytes
+from .timeline import known, predict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +113,11 @@ def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: b
 
 
 def place(units: Sequence[PlanUnit], devices: Sequence[tuple[str, int]], options: PlanOptions = PlanOptions(),
-          split_unit: Callable[[str], list[PlanUnit] | None] | None = None, warnings: Sequence[str] = ()
-          ) -> Placement:
+          split_unit: Callable[[str], list[PlanUnit] | None] | None = None, warnings: Sequence[str] = (),
+          bytes_per_s: float | None = None) -> Placement:
     """The placement of ``units`` (in execution order) on ``devices``; see the module docstring.
-    Raises ``BudgetError`` when no placement fits, ValueError for no devices or a bad budget."""
+    ``bytes_per_s``: the host-to-device bandwidth, for the predicted-time tie-break. Raises
+    ``BudgetError`` when no placement fits, ValueError for no devices or a bad budget."""
     units = tuple(units)
     if not devices:
         raise ValueError("place: no devices")
@@ -124,19 +128,21 @@ def place(units: Sequence[PlanUnit], devices: Sequence[tuple[str, int]], options
         (name, b), = devices
         plan = make_plan(list(units), b, options, split_unit, warnings)
         return Placement(plan.units, (DevicePlan(name, b, 0, len(plan.units), plan),), ())
-    found = _best(units, devices, options, warnings)
+    timed = bytes_per_s if bytes_per_s and bytes_per_s > 0 and known(units) else None
+    found = _best(units, devices, options, warnings, timed)
     if found is None:
         raise _refusal(units, devices, options)
     return found
 
 
 def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], options: PlanOptions,
-          warnings: Sequence[str]) -> Placement | None:
+          warnings: Sequence[str], bytes_per_s: float | None = None) -> Placement | None:
     """Dynamic programming over cut points: best[j] after each device is the best placement of
-    units[:j] on the devices so far, keyed (host bytes, hops, hop bytes, device order)."""
+    units[:j] on the devices so far, keyed (host bytes, hops, hop bytes, predicted seconds where
+    ``bytes_per_s`` is given, device order)."""
     n = len(units)
     # state: j -> (key, [DevicePlan...], last device holding units or None)
-    best: dict[int, tuple[tuple, list[DevicePlan], str | None]] = {0: ((0, 0, 0, 0), [], None)}
+    best: dict[int, tuple[tuple, list[DevicePlan], str | None]] = {0: ((0, 0, 0, 0.0, 0), [], None)}
     for index, (name, budget) in enumerate(devices):
         nxt: dict[int, tuple[tuple, list[DevicePlan], str | None]] = {}
 
@@ -154,7 +160,9 @@ def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], optio
                 hop = 0 if last is None else 1
                 hb = 0 if last is None else (units[i].entry_bytes or 0)
                 # last: units on earlier devices first (the first device is where the host expects the output)
-                k = (key[0] + plan.streamed_bytes_per_forward, key[1] + hop, key[2] + hb, key[3] + index * (j - i))
+                t = predict(plan, bytes_per_s).step_s if bytes_per_s else 0.0
+                k = (key[0] + plan.streamed_bytes_per_forward, key[1] + hop, key[2] + hb, key[3] + t,
+                     key[4] + index * (j - i))
                 offer(j, k, parts + [DevicePlan(name, budget, i, j, plan)], name)
         best = nxt
     if n not in best:
@@ -172,23 +180,47 @@ def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], optio
 
 
 def _refusal(units, devices, options) -> BudgetError:
-    """The smallest budgets in the proportions given (found by bisection on the scale), and the
-    error naming them."""
-    total = sum(b for _, b in devices)
-    fits = lambda f: _best(units, [(n, max(1, int(b * f))) for n, b in devices], options, ()) is not None  # noqa: E731
+    """The smallest budgets in the proportions given (found by bisection on the scale, then
+    checked at the GiB text the message gives), and the error naming them."""
+    fits = lambda bs: _best(units, list(zip((n for n, _ in devices), bs)), options, ()) is not None  # noqa: E731
+    scaled = lambda f: [max(1, int(b * f)) for _, b in devices]  # noqa: E731
     lo, hi = 1.0, 2.0
-    while not fits(hi):
+    while not fits(scaled(hi)):
         lo, hi = hi, hi * 2
         if hi > 1e6:
-            return budget_error("devices", total, kind="weights", weight_bytes=total, activation_bytes=None,
-                                min_budget_bytes=None, exact=False, detail="no placement fits")
+            return devices_error(devices, None, exact=False)
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    sug = [(n, int(b * hi) + 1) for n, b in devices]
-    need = sum(b for _, b in sug)
-    text = ", ".join(f"{n}={gib_text(b)}" for n, b in sug)
+        lo, hi = (lo, mid) if fits(scaled(mid)) else (mid, hi)
+    sug = [gib_to_bytes(gib_text(b)) for b in scaled(hi)]
+    while not fits(sug):  # the text read back must place too: one rounding step up at a time
+        sug = [gib_to_bytes(gib_text(b + 1)) for b in sug]
     measured = all(u.peak_bytes is not None for u in units)
-    return budget_error("devices", total, kind="weights", weight_bytes=need, activation_bytes=None,
-                        min_budget_bytes=need, exact=measured,
-                        detail=f"no placement fits the budgets given; in the same proportions it needs {text}")
+    return devices_error(devices, [(n, b) for (n, _), b in zip(devices, sug)], exact=measured)
+
+
+def devices_error(devices: Sequence[tuple[str, int]], suggestion: Sequence[tuple[str, int]] | None, *,
+                  exact: bool, bound: str = WEIGHTS_ALONE) -> BudgetError:
+    """The one place the text of a refused placement is written: the budgets given and the
+    smallest that work in the same proportions, per device and in all (``plan.gib_text``: rounded
+    up at ``max_vram_gb``'s precision, each of them places); "at least" with ``bound`` when the
+    activations were not measured. ``min_budget_bytes`` is the suggestion's total, and
+    ``device_budgets`` the suggestion itself."""
+    given = ", ".join(f"{n}={gib_text(b)}" for n, b in devices)
+    total = sum(b for _, b in devices)
+    msg = f"VRAM budgets {given} ({gib_text(total)} GiB in all) are too small: no placement of the units fits"
+    need = None
+    if suggestion is None:
+        msg += " at any budgets in these proportions"
+    else:
+        need = sum(b for _, b in suggestion)
+        per = ", ".join(f"{n}={gib_text(b)}" for n, b in suggestion)
+        in_all = f"{sum(float(gib_text(b)) for _, b in suggestion):.3f}"
+        if exact:
+            msg += f"; the smallest budgets that work for this shape, in the same proportions, are {per} ({in_all} GiB in all)"
+        else:
+            msg += f"; in the same proportions the budgets must be at least {per} ({in_all} GiB in all; {bound})"
+    err = BudgetError("devices", need or total, total, kind="weights", message=msg)
+    err.min_budget_bytes, err.exact = need, exact and need is not None
+    err.device_budgets = tuple(suggestion) if suggestion is not None else None
+    return err

@@ -16,9 +16,10 @@ activation reserve is the most live activation bytes any unit saw in a measured 
 tensors and skip connections included). The plan minimises its cost within the budget: bytes
 streamed per forward first, then transfers per forward.
 
-* Residency. Units are made resident in a fixed priority order (pinned first, units a measured
-  forward never ran last, largest first, ties by execution order), as many as fit after reserving
-  a window of slots each the size of the largest unit left streaming. Then, in the room that
+* Residency. Units are made resident in a fixed priority order (units that must stay resident
+  first, units a measured forward never ran last, largest first, ties by execution order), as
+  many as fit after reserving a window of slots each the size of the largest unit left
+  streaming. Then, in the room that
   window leaves, small units (at most ``SMALL_SHARE`` of the spare room, smallest first) that
   would each be a transfer of their own are kept resident too: each removes a transfer and
   streams fewer bytes. The spare room is ``budget - resident - activation reserve``.
@@ -96,7 +97,7 @@ class PlanUnit:
     weight_bytes: int
     peak_bytes: int | None = None
     entry_bytes: int | None = None
-    pinned: bool = False
+    keep_resident: bool = False
     entered: bool = True
     calls: int = 1  # times a forward enters it; a streamed unit is copied that often
     # seconds of compute per forward, all passes together; None when not known (then residency
@@ -124,6 +125,27 @@ class PlanOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanTime:
+    """What a plan predicts per forward (``timeline.predict``): ``predicted_s`` for the plan,
+    ``resident_s`` for every unit resident (its compute alone), ``source`` of the units' compute
+    times: "flops" (the dry run's count over the measured throughput) or "measured" (a real
+    forward timed each unit)."""
+
+    predicted_s: float
+    resident_s: float
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Refit:
+    """Why a plan was made again for a new budget (free memory moved): the new and old budgets."""
+
+    reason: str
+    budget_bytes: int
+    previous_budget_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     budget_bytes: int
     units: tuple[PlanUnit, ...]
@@ -136,6 +158,8 @@ class Plan:
     # where the activation figures came from before the first forward: "traced" (a dry run on
     # fake tensors) or "measured" (a real forward measured them; the dry run could not run)
     source: str | None = None
+    time: PlanTime | None = None      # the predicted step, where compute times and bandwidth are known
+    refit: Refit | None = None        # planned again because the budget moved (free memory)
 
     @property
     def resident_bytes(self) -> int:
@@ -188,6 +212,22 @@ class Plan:
         return first if first == last else f"{first} … {last}"
 
 
+REFIT_MARGIN = 0.10  # a budget this much above the one a plan was made for plans again (no churn below)
+
+
+def refit_reason(plan: Plan, budget: int, margin: float = REFIT_MARGIN) -> str | None:
+    """Why ``plan`` must be made again for a new ``budget`` (free memory moved), or None when it
+    is kept: it is kept while the budget still holds its peak and is not more than ``margin``
+    above the budget it was made for (or nothing streams: more room cannot make it faster), so
+    a budget that wobbles by a few MiB never re-plans."""
+    if budget < plan.peak_bytes:
+        return f"the budget fell to {gib_text(budget)} GiB, below the plan's peak {gib_text(plan.peak_bytes)} GiB"
+    if budget > plan.budget_bytes * (1 + margin) and plan.streamed_order:
+        return (f"the budget grew to {gib_text(budget)} GiB, more than {margin:.0%} above the "
+                f"{gib_text(plan.budget_bytes)} GiB the plan was made for")
+    return None
+
+
 def activation_reserve(units: Sequence[PlanUnit]) -> int:
     return max((u.peak_bytes or 0 for u in units), default=0)
 
@@ -199,9 +239,9 @@ class _Infeasible(Exception):
 
 def _tightest(units: Sequence[PlanUnit]) -> tuple[int, int, int]:
     """(what must stay resident, one slot, activations): the smallest footprint of ``units``."""
-    pinned = sum(u.weight_bytes for u in units if u.pinned)
-    slot = max((u.weight_bytes for u in units if not u.pinned and u.entered), default=0)
-    return pinned, slot, activation_reserve(units)
+    required = sum(u.weight_bytes for u in units if u.keep_resident)
+    slot = max((u.weight_bytes for u in units if not u.keep_resident and u.entered), default=0)
+    return required, slot, activation_reserve(units)
 
 
 def budget_error(unit: str, budget: int, *, kind: str, weight_bytes: int, activation_bytes: int | None,
@@ -228,27 +268,27 @@ def _plan_error(units: Sequence[PlanUnit], index: int | None, budget: int, detai
     """The error for ``units`` (cut as fine as they go) not fitting ``budget``: what does not fit
     (activations or weights) and the smallest budget that works (exact when the activations are
     known: it is what ``make_plan`` needs)."""
-    pinned, slot, act = _tightest(units)
+    required, slot, act = _tightest(units)
     measured = all(u.peak_bytes is not None for u in units)
-    if measured and act > pinned + slot:
+    if measured and act > required + slot:
         unit = max(units, key=lambda u: u.peak_bytes or 0).name
-        return budget_error(unit, budget, kind="activations", weight_bytes=pinned + slot, activation_bytes=act,
+        return budget_error(unit, budget, kind="activations", weight_bytes=required + slot, activation_bytes=act,
                             min_budget_bytes=min_budget_bytes, exact=measured)
-    name = units[index].name if index is not None else "pinned units"
-    w = units[index].weight_bytes if index is not None else pinned
+    name = units[index].name if index is not None else "units that must stay resident"
+    w = units[index].weight_bytes if index is not None else required
     return budget_error(name, budget, kind="weights", weight_bytes=w, activation_bytes=act if measured else None,
                         min_budget_bytes=min_budget_bytes, exact=measured, detail=detail)
 
 
 def _priority(units: Sequence[PlanUnit]) -> list[int]:
-    return sorted(range(len(units)), key=lambda i: (not units[i].pinned, not units[i].entered,
+    return sorted(range(len(units)), key=lambda i: (not units[i].keep_resident, not units[i].entered,
                                                   -units[i].weight_bytes, i))
 
 
 def _mergeable(u: PlanUnit) -> bool:
     """Can the unit share a streamed segment with its neighbours? Not when a forward never enters
     it (it is never loaded) or enters it more than once (it is copied on every pass)."""
-    return u.entered and u.calls == 1 and not u.pinned
+    return u.entered and u.calls == 1 and not u.keep_resident
 
 
 def _lone(units: Sequence[PlanUnit], resident: set[int], i: int) -> bool:
@@ -276,13 +316,13 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
                      ) -> tuple[set[int], int, int]:
     """Resident unit indices, slot count and slot size for the budget.
 
-    Raises ``_Infeasible`` with the unit that does not fit when even the tightest plan (pinned
-    units resident, one slot) is over the budget.
+    Raises ``_Infeasible`` with the unit that does not fit when even the tightest plan (the units that
+    must stay resident, one slot) is over the budget.
     """
     n = len(units)
     act = activation_reserve(units)
     order = _priority(units)
-    n_pinned = sum(1 for u in units if u.pinned)
+    n_required = sum(1 for u in units if u.keep_resident)
     # suffix max of weights in priority order: the slot size when the first k are resident
     suffix = [0] * (n + 1)
     prefix = [0] * (n + 1)
@@ -296,24 +336,24 @@ def choose_residency(units: Sequence[PlanUnit], budget: int, options: PlanOption
         s = suffix[k]
         return prefix[k] + (slots * s if k < n else 0) + act
 
-    last = n if options.residency else n_pinned
+    last = n if options.residency else n_required
     slots = 2 if options.prefetch else 1
     best = None
     tight = False
-    for k in range(n_pinned, last + 1):
+    for k in range(n_required, last + 1):
         if need(k, slots) <= budget:
             best = k
     if options.residency and need(n, 0) <= budget:
         best = n  # everything resident
-    if best is None and slots == 2 and need(n_pinned, 1) <= budget:
-        slots, best, tight = 1, n_pinned, True  # no room for prefetch, nothing beyond pinned resident
+    if best is None and slots == 2 and need(n_required, 1) <= budget:
+        slots, best, tight = 1, n_required, True  # no room for prefetch, nothing else resident
     if best is None:
-        if n_pinned and prefix[n_pinned] + act > budget:
-            big = max(range(n), key=lambda i: (units[i].pinned, units[i].weight_bytes))
-            raise _Infeasible(big if units[big].pinned else None, prefix[n_pinned] + act)
-        streamed = order[n_pinned:]
+        if n_required and prefix[n_required] + act > budget:
+            big = max(range(n), key=lambda i: (units[i].keep_resident, units[i].weight_bytes))
+            raise _Infeasible(big if units[big].keep_resident else None, prefix[n_required] + act)
+        streamed = order[n_required:]
         big = max(streamed, key=lambda i: (units[i].entered, units[i].weight_bytes))
-        raise _Infeasible(big, need(n_pinned, 1))
+        raise _Infeasible(big, need(n_required, 1))
     resident = set(order[:best])
     if best == n:
         return resident, 0, 0
@@ -389,21 +429,21 @@ def plan_from_residency(units: Sequence[PlanUnit], budget: int, options: PlanOpt
 
 def measuring_plan(units: Sequence[PlanUnit], budget: int, slot_bytes: int, split: Sequence[str] = (),
                    warnings: Sequence[str] = ()) -> Plan:
-    """The plan of a measuring forward: pinned units resident, every other unit streamed through
-    one slot of ``slot_bytes``, nothing prefetched. Units larger than the slot stay in the plan
+    """The plan of a measuring forward: the units that must stay resident resident, every other
+    unit streamed through one slot of ``slot_bytes``, nothing prefetched. Units larger than the slot stay in the plan
     (a forward that never enters them never needs them); the executor stops a forward that
     enters one."""
     segs: list[Segment] = []
     run: list[int] = []
-    resident = sum(u.weight_bytes for u in units if u.pinned)
-    streams = any(not u.pinned for u in units)
+    resident = sum(u.weight_bytes for u in units if u.keep_resident)
+    streams = any(not u.keep_resident for u in units)
     fixed = resident + (slot_bytes if streams else 0)
 
     def seg_of(idx: list[int], res: bool) -> Segment:
         return Segment(tuple(idx), res, sum(units[i].weight_bytes for i in idx), None, fixed)
 
     for i, u in enumerate(units):
-        if u.pinned:
+        if u.keep_resident:
             run.append(i)
             continue
         if run:
@@ -442,11 +482,11 @@ def _plan_or_failure(units: Sequence[PlanUnit], budget: int, options: PlanOption
             return build_plan(units, budget, options, split, warnings)
         except _Infeasible as e:
             parts = None
-            if e.index is not None and split_unit is not None and not units[e.index].pinned:
+            if e.index is not None and split_unit is not None and not units[e.index].keep_resident:
                 parts = split_unit(units[e.index].name)
             if not parts:
                 detail = "cannot be cut finer"
-                if e.index is None or units[e.index].pinned:
+                if e.index is None or units[e.index].keep_resident:
                     detail = "it must stay resident"
                 return units, e.index, detail
             split.append(units[e.index].name)

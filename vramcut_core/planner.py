@@ -6,6 +6,12 @@ dry run's figures into a ``Plan`` through the pure functions of ``plan``. It may
 ``plan`` and ``quant``; it never runs a forward and never touches device memory (the bytes a unit
 takes on the device come from ``unit_bytes``, the executor's layout).
 
+Where the config chooses residency by time (``speed``), a measured plan's units carry their
+compute seconds (``PlanUnit.compute_s``: measured per unit where a forward was timed, else the dry
+run's FLOPs over the measured throughput), the residency is ``residency.by_time``'s and the plan
+carries its predicted step (``Plan.time``, ``timeline.predict``). The throughput probe and the
+bandwidth figure come through ``speed.Figures`` (``bandwidth``'s cached measurements).
+
 The one rule: a plan is a function of the units, the figures and the config it is given; the
 planner keeps no per-signature state (the engine caches plans).
 """
@@ -17,20 +23,21 @@ from typing import Callable
 
 from torch import nn
 
-from . import quant
+from . import quant, residency, speed, timeline
 from .measure import UnitMeasurement
-from .plan import BudgetError, Plan, PlanOptions, PlanUnit, budget_error, make_plan, measuring_plan
+from .plan import BudgetError, Plan, PlanOptions, PlanTime, PlanUnit, budget_error, make_plan, measuring_plan
 from .tensors import is_plain_tensor
 from .units import Unit, UnitSet, find_units, split_unit
 
 
 class UnitPlanner:
-    def __init__(self, module: nn.Module, config, unit_bytes: Callable[[str], int] | None = None) -> None:
+    def __init__(self, module: nn.Module, config, unit_bytes: Callable[[str], int]) -> None:
         self.module = module
         self.config = config          # the engine's EngineConfig (replaced when the budget changes)
-        self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (set by the engine)
+        self.unit_bytes = unit_bytes  # unit name -> bytes it takes on the device (the executor's layout)
         self.block_bytes = 1          # the device allocator's block size (set by the engine)
         self.unitset: UnitSet = find_units(module, config.family)
+        self.figures = speed.Figures(module)
         self.all: dict[str, Unit] = {}
         self.parent: dict[str, str] = {}
         self._reset()
@@ -42,8 +49,8 @@ class UnitPlanner:
         self._checks: list | None = None
         self.parent = {}  # a part of a finer cut -> the unit it was cut from
         for u in self.unitset.units:
-            if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.pinned):
-                u.pinned = True
+            if any(fnmatch.fnmatchcase(u.name, p) for p in self.config.keep_resident):
+                u.keep_resident = True
         fmts = sorted({quant.format_name(t.tensor) for u in self.unitset.units for t in u.tensors
                        if not is_plain_tensor(t.tensor) and quant.parts(t.tensor) is None})
         if fmts:
@@ -77,10 +84,16 @@ class UnitPlanner:
         self._reset()
         return [u.name for u in self.unitset.units] != old
 
-    def split(self, name: str, meas: dict[str, UnitMeasurement] | None) -> list[PlanUnit] | None:
+    def split(self, name: str, meas: dict[str, UnitMeasurement] | None,
+              seconds: dict[str, float] | None = None) -> list[PlanUnit] | None:
         parts = split_unit(self.all[name])
         if not parts:
             return None
+        if seconds is not None and name in seconds:
+            # the parts share the unit's compute time by their weight bytes (nothing timed them)
+            total = sum(self.unit_bytes(p.name) for p in parts) or 1
+            for p in parts:
+                seconds[p.name] = seconds[name] * self.unit_bytes(p.name) / total
         parent = meas.get(name) if meas else None
         for p in parts:
             self.all[p.name] = p
@@ -89,20 +102,22 @@ class UnitPlanner:
                 continue
             # A part needs at most what the whole unit needed, and it ran only if one of its
             # modules did (a VAE decode runs one convolution of a unit that holds the encoder).
-            if p.pinned or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
+            if p.keep_resident or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
                 meas[p.name] = parent
-        return [self.plan_unit(p, meas) for p in parts]
+        return [self.plan_unit(p, meas, seconds=seconds) for p in parts]
 
-    def plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, pin: bool = False) -> PlanUnit:
+    def plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, keep_resident: bool = False,
+                  seconds: dict[str, float] | None = None) -> PlanUnit:
         m = meas.get(u.name) if meas is not None else None
         return PlanUnit(u.name, self.unit_bytes(u.name),
                         None if meas is None else (m.peak_bytes if m else 0),
                         None if meas is None else (m.entry_bytes if m else 0),
-                        u.pinned or pin, entered=meas is None or m is not None or u.kind == "shared",
-                        calls=m.calls if m else 1)
+                        u.keep_resident or keep_resident, entered=meas is None or m is not None or u.kind == "shared",
+                        calls=m.calls if m else 1, compute_s=(seconds or {}).get(u.name))
 
-    def pinned_bytes(self) -> int:
-        return sum(self.unit_bytes(u.name) for u in self.unitset.units if u.pinned)
+    def keep_resident_bytes(self) -> int:
+        """Device bytes of the units that must stay resident."""
+        return sum(self.unit_bytes(u.name) for u in self.unitset.units if u.keep_resident)
 
     # -- plans -----------------------------------------------------------------------------
 
@@ -122,18 +137,19 @@ class UnitPlanner:
         split: list[str] = []
         while todo:
             u = todo.pop()
-            if not u.pinned and u.weight_bytes > cap:
+            if not u.keep_resident and u.weight_bytes > cap:
                 parts = self.split(u.name, None)
                 if parts:
                     split.append(u.name)
                     todo.extend(reversed(parts))
                     continue
             units.append(u)
-        pinned = sum(u.weight_bytes for u in units if u.pinned)
-        if pinned > budget:
-            raise budget_error("pinned units", budget, kind="weights", weight_bytes=pinned, activation_bytes=None,
-                               min_budget_bytes=pinned, exact=False, detail="it must stay resident")
-        slot = max((u.weight_bytes for u in units if not u.pinned and u.weight_bytes <= budget - pinned),
+        required = sum(u.weight_bytes for u in units if u.keep_resident)
+        if required > budget:
+            raise budget_error("units that must stay resident", budget, kind="weights", weight_bytes=required,
+                               activation_bytes=None, min_budget_bytes=required, exact=False,
+                               detail="it must stay resident")
+        slot = max((u.weight_bytes for u in units if not u.keep_resident and u.weight_bytes <= budget - required),
                    default=0)
         return measuring_plan(units, budget, slot, split, self.unitset.warnings)
 
@@ -145,44 +161,81 @@ class UnitPlanner:
     def aggregate(self, meas: dict[str, UnitMeasurement]) -> dict[str, UnitMeasurement]:
         """Measurements of the parts of a finer cut, as the units they were cut from (in the
         order the forward entered them): the plan starts from whole units and cuts again only
-        where the budget needs it."""
+        where the budget needs it. A unit's FLOPs are its parts' summed (None when a part's are
+        not known: a partial count would make the unit look faster than it is)."""
         out: dict[str, UnitMeasurement] = {}
         for n, m in meas.items():
             t = self.top(n)
             a = out.get(t)
             if a is None:
-                out[t] = UnitMeasurement(m.entry_bytes, m.peak_bytes, m.calls, m.modules)
+                out[t] = UnitMeasurement(m.entry_bytes, m.peak_bytes, m.calls, m.modules, m.flops)
             else:
                 a.peak_bytes = max(a.peak_bytes, m.peak_bytes)
                 a.calls = max(a.calls, m.calls)
                 a.modules = a.modules | m.modules
+                a.flops = None if a.flops is None or m.flops is None else a.flops + m.flops
         return out
 
-    def measured_plan(self, meas: dict[str, UnitMeasurement], source: str) -> Plan:
+    def compute_seconds(self, meas: dict[str, UnitMeasurement],
+                        measured: dict[str, float] | None = None) -> tuple[dict[str, float] | None, str | None]:
+        """Each entered unit's compute seconds and where they come from: ``measured`` (a timed
+        forward's, by whole unit) where it covers every unit in ``meas``, else the dry run's FLOPs
+        over the measured throughput ("flops"); (None, None) where the config does not choose by
+        time or a figure is missing."""
+        if not speed.by_time(self.config):
+            return None, None
+        if measured is not None and all(n in measured for n in meas):
+            return dict(measured), "measured"
+        if not meas or any(m.flops is None for m in meas.values()):
+            return None, None
+        fps = self.figures.flops_per_s(self.config)
+        if not fps:
+            return None, None
+        return {n: timeline.unit_seconds(m.flops, fps) for n, m in meas.items()}, "flops"
+
+    def measured_plan(self, meas: dict[str, UnitMeasurement], source: str,
+                      measured: dict[str, float] | None = None) -> Plan:
         """The plan from per-unit figures (measured, or the dry run's), in the order the forward
-        entered the units."""
+        entered the units; timed and chosen by time where the config asks for it (``measured``:
+        seconds per unit from a timed forward, see ``compute_seconds``)."""
+        seconds, tsource = self.compute_seconds(meas, measured)
         names = [u.name for u in self.unitset.units]
         entered = [n for n in meas if n in self.all]
         order = entered + [n for n in names if n not in meas]
-        split = lambda n: self.split(n, meas)  # noqa: E731
+        split = lambda n: self.split(n, meas, seconds)  # noqa: E731
         looped = {n for n in entered if meas[n].calls > 1}
         if looped and self.config.residency:
             # A forward that loops over its units (a video VAE decoding frame by frame) would
             # re-send streamed weights on every pass: keep the looped units resident if they fit.
-            units = [self.plan_unit(self.all[n], meas, pin=n in looped) for n in order]
+            units = [self.plan_unit(self.all[n], meas, keep_resident=n in looped, seconds=seconds) for n in order]
             try:
-                return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options,
-                                                     split, self.unitset.warnings), source=source)
+                return self._timed(dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options,
+                                                                 split, self.unitset.warnings), source=source), tsource)
             except BudgetError:
                 pass
-        units = [self.plan_unit(self.all[n], meas) for n in order]
+        units = [self.plan_unit(self.all[n], meas, seconds=seconds) for n in order]
         notes = list(self.unitset.warnings)
         if looped:
             worst = max(meas[n].calls for n in looped)
             notes.append(f"the forward enters {len(looped)} units up to {worst} times; what streams is "
                          f"copied on every pass (a larger budget keeps them resident)")
-        return dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options, split, notes),
-                                   source=source)
+        return self._timed(dataclasses.replace(make_plan(units, self.config.budget_bytes, self.options, split, notes),
+                                               source=source), tsource)
+
+    def _timed(self, plan: Plan, source: str | None) -> Plan:
+        """``plan`` with its residency chosen by time and its predicted step, where its units have
+        compute times and a bandwidth is known; else ``plan`` unchanged."""
+        if source is None or not timeline.known(plan.units):
+            return plan
+        bps = self.figures.bytes_per_s(self.config)
+        if not bps:
+            return plan
+        overlap = speed.overlaps(self.config)
+        plan = dataclasses.replace(residency.by_time(plan, bps, self.options, overlap=overlap, session=True),
+                                   source=plan.source)
+        predicted = timeline.predict(plan, bps, overlap=overlap, session=True).step_s
+        resident = sum(u.compute_s for u in plan.units if u.entered)
+        return dataclasses.replace(plan, time=PlanTime(predicted, resident, source))
 
 
 def _subtree(u: Unit) -> list[nn.Module]:

@@ -27,17 +27,15 @@ from typing import Sequence
 
 import torch
 
+from . import tensors  # (tensors imports this module: its test is read at call time)
+
 FLATTEN = "flatten"   # wrapper subclass with __tensor_flatten__ / __tensor_unflatten__
 STORAGE = "storage"   # plain subclass: its own storage holds the bytes, attributes the metadata
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
-
-
 def kind(t: torch.Tensor) -> str | None:
     """How ``t`` is taken apart, or None (a plain tensor, or a format that cannot be)."""
-    if _plain(t) or t.is_meta:
+    if tensors.is_plain_tensor(t) or t.is_meta:
         return None
     if hasattr(t, "__tensor_flatten__"):
         try:
@@ -45,7 +43,7 @@ def kind(t: torch.Tensor) -> str | None:
             inner = [getattr(t, n) for n in names]
         except Exception:
             return None
-        if inner and all(isinstance(x, torch.Tensor) and _plain(x) and x.is_contiguous()
+        if inner and all(isinstance(x, torch.Tensor) and tensors.is_plain_tensor(x) and x.is_contiguous()
                          and x.device == t.device for x in inner):
             return FLATTEN
         return None

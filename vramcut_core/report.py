@@ -21,11 +21,20 @@ class RunStats:
     time_wait_s: float = 0.0
     peak_device_bytes: int = 0        # measured: executor buffers + activations
     peak_weight_bytes: int = 0        # exact: the executor's own device buffers
+    # the forwards' own time, start to end (CUDA: events on the compute stream, counted when they
+    # have completed, which may be in a later forward's stats; CPU: wall time), over ``timed`` forwards
+    time_s: float = 0.0
+    timed: int = 0
+
+    @property
+    def s_per_forward(self) -> float | None:
+        """Measured seconds per forward (None: none timed yet)."""
+        return self.time_s / self.timed if self.timed else None
 
     def add(self, other: "RunStats") -> None:
-        for f in ("forwards", "bytes_streamed", "copies", "sync_loads"):
+        for f in ("forwards", "bytes_streamed", "copies", "sync_loads", "timed"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
-        for f in ("time_copy_s", "time_compute_s", "time_wait_s"):
+        for f in ("time_copy_s", "time_compute_s", "time_wait_s", "time_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         self.peak_weight_bytes = max(self.peak_weight_bytes, other.peak_weight_bytes)
@@ -52,7 +61,7 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None, steady: RunStats | N
         "warnings": list(plan.warnings),
         "units": [
             {"name": u.name, "weight_bytes": u.weight_bytes, "activation_bytes": u.peak_bytes,
-             "cut_in_bytes": u.entry_bytes, "pinned": u.pinned, "entered": u.entered,
+             "cut_in_bytes": u.entry_bytes, "keep_resident": u.keep_resident, "entered": u.entered,
              "calls": u.calls}
             for u in plan.units
         ],
@@ -68,7 +77,24 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None, steady: RunStats | N
         out["stats"] = stats.to_json()
     if steady is not None:
         out["steady_stats"] = steady.to_json()
+    if plan.time is not None:
+        out["time"] = time_to_json(plan, steady)
+    if plan.refit is not None:
+        out["refit"] = dataclasses.asdict(plan.refit)
     return out
+
+
+def time_to_json(plan: Plan, steady: RunStats | None = None) -> dict | None:
+    """The plan's predicted seconds per forward (``Plan.time``), for all-resident, where its
+    compute times come from, and, once forwards that ran the plan were timed (``steady``), the
+    measured seconds per forward and the prediction's error ((predicted - measured) / measured)."""
+    t = plan.time
+    if t is None:
+        return None
+    measured = steady.s_per_forward if steady is not None else None
+    return {"predicted_s": t.predicted_s, "resident_s": t.resident_s, "source": t.source,
+            "measured_s": measured,
+            "error": (t.predicted_s - measured) / measured if measured else None}
 
 
 def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
@@ -182,6 +208,17 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
                    f"peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f}s, "
                    f"wait {stats.time_wait_s:.3f}s, compute {stats.time_compute_s:.3f}s"
                    + (" (the measuring call included)" if steady is not None else ""))
+    tj = time_to_json(plan, steady)
+    if tj is not None:
+        ratio = f"{tj['predicted_s'] / tj['resident_s']:.2f}× resident" if tj["resident_s"] > 0 else "resident 0 s"
+        line = (f"predicted +{tj['predicted_s'] - tj['resident_s']:.3f} s/call over resident ({ratio}; "
+                f"compute times {tj['source']})")
+        if tj["measured_s"] is not None:
+            line += f"; measured {tj['measured_s']:.3f} s (error {100 * tj['error']:+.1f} %)"
+        out.append(line)
+    if plan.refit is not None:
+        out.append(f"planned again for {budget_gib(plan.refit.budget_bytes)} (was "
+                   f"{budget_gib(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
     if steady is not None and steady.forwards:
         n = steady.forwards
         out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "

@@ -7,16 +7,20 @@ that the compute before it does not hide (``timeline.simulate``). ``by_time(plan
 starts from that plan and searches residencies that fit the same budget, each planned with
 ``plan.plan_from_residency`` and timed with ``timeline.predict``:
 
-1. seeds: the count-based plan; for each count m, m units streamed spread evenly over the
-   forward's compute time (the rest resident, where that fits); and a greedy one: from what must
-   stay resident, add the unit that saves the most predicted seconds per byte (of at most
-   ``GREEDY_TRIES`` tried per step), while one saves time and fits;
-2. local improvement from the best seed: add, drop, or swap one unit for another while that
-   shortens the step (first improvement, at most ``MAX_EVALS`` residencies timed);
+1. seeds from a dynamic programme over the forward's units in execution order (``stalls_dp``):
+   which units stream, minimising their stalls plus a price per resident byte, where a streamed
+   unit's copy hides behind the compute since the streamed unit before it began, plus the carry
+   that one's copy left (the timeline's rule for two slots, path by path); the price is bisected
+   to where the residency fits, for each size of the largest streamed unit. And, for each count
+   m, m units streamed spread evenly over the forward's compute time.
+2. local improvement from the ``SEEDS_IMPROVED`` fastest seeds: add or drop one unit, or move a
+   streamed unit's place to a resident unit's (nearest first), while that shortens the step (first improvement,
+   at most ``MAX_MOVES`` residencies timed per seed).
 3. for each residency the window has two slots where they fit (else one, as the count-based
-   rule), each the size of the largest streamed unit, today's grown size or all the room, whichever is
-   faster
-   (merging more units into one copy hides less of it).
+   rule), each the size of the largest streamed unit, the count-based rule's grown size or all
+   the room (``WINDOWS``), whichever is faster (merging more units into one copy hides less of
+   it). Residencies are timed by ``_Search.window_time``, ``timeline.steady`` on plain lists
+   (the plan is built once, for the answer).
 
 The one rule: the answer is never slower than the count-based plan under the model (that plan is
 the first candidate, and only a strictly faster one replaces it); ties keep fewer bytes streamed,
@@ -25,14 +29,17 @@ bandwidth, the count-based plan comes back unchanged.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import Callable, Sequence
 
 from .plan import (NO_PREFETCH, WINDOW_SHARE, Plan, PlanOptions, PlanUnit, activation_reserve, make_plan,
-                   plan_from_residency)
-from .timeline import known, predict
+                   _mergeable, plan_from_residency)
+from .timeline import known, predict, steady
 
-MAX_EVALS = 800     # residencies timed at most per plan (the local pass stops there)
-GREEDY_TRIES = 16   # units the greedy seed tries per step (a spread sample where there are more)
+DP_PRICES = 12       # prices of a resident byte tried per largest streamed size (bisection)
+SEEDS_IMPROVED = 2   # the fastest seeds the local pass starts from
+MAX_MOVES = 400      # residencies the local pass times at most per seed
+WINDOWS = ("base", "grown", "room")  # the slot sizes tried for a residency (``_Search.timed``)
 _EPS = 1e-12
 
 
@@ -62,113 +69,293 @@ def step_time(plan: Plan, bytes_per_s: float, overlap: bool = True, session: boo
 class _Search:
     def __init__(self, plan: Plan, bps: float, options: PlanOptions, overlap: bool, session: bool) -> None:
         self.base, self.bps, self.options, self.overlap, self.session = plan, bps, options, overlap, session
-        self.units = plan.units
+        units = self.units = plan.units
         self.budget = plan.budget_bytes
-        self.act = activation_reserve(self.units) if plan.measured else 0
-        self.must = frozenset(i for i, u in enumerate(self.units) if u.pinned)
+        self.act = activation_reserve(units) if plan.measured else 0
+        self.must = frozenset(i for i, u in enumerate(units) if u.keep_resident)
+        self.must_bytes = sum(units[i].weight_bytes for i in self.must)
         # units whose residency changes the time: entered, free to stream
-        self.free = [i for i, u in enumerate(self.units) if u.entered and not u.pinned]
+        self.free = [i for i, u in enumerate(units) if u.entered and not u.keep_resident]
         self.warnings = tuple(w for w in plan.warnings if w != NO_PREFETCH)
-        self.memo: dict[frozenset, tuple[tuple, Plan] | None] = {}
+        self.memo: dict[tuple, tuple | None] = {}
+        self.c = [u.compute_s or 0.0 for u in units]
+        self.w = [u.weight_bytes for u in units]
+        self.wb = [u.weight_bytes * u.calls for u in units]
+        self.calls = [u.calls for u in units]
+        self.entered = [u.entered for u in units]
+        self.mergeable = [_mergeable(u) for u in units]
         self.evals = 0
 
-    def key(self, p: Plan) -> tuple:
-        return (step_time(p, self.bps, self.overlap, self.session), p.streamed_bytes_per_forward,
-                p.transfers_per_forward)
+    # -- timing one residency ----------------------------------------------------------------
 
-    def better(self, a: tuple, b: tuple) -> bool:
-        if a[0] < b[0] - _EPS * max(1.0, b[0]):
-            return True
-        return abs(a[0] - b[0]) <= _EPS * max(1.0, b[0]) and a[1:] < b[1:]
+    def window_time(self, res: frozenset, slots: int, slot_bytes: int) -> tuple:
+        """(step seconds, bytes streamed, transfers) of residency ``res`` through ``slots`` slots of
+        ``slot_bytes``: ``plan.merge_streamed``, ``timeline.plan_steps`` and ``predict`` in one pass
+        without building the plan (adjacent resident segments are one step: the timeline runs them
+        back to back). A test holds it equal to ``predict`` on the plan."""
+        c, wb, w, calls, entered, mergeable = self.c, self.wb, self.w, self.calls, self.entered, self.mergeable
+        bps = self.bps
+        compute: list[float] = []
+        copy: list[float | None] = []
+        sync: list[bool] = []
+        streamed = transfers = 0
+        kind = None          # the open segment: "r" resident, "s" streamed, None
+        sc = 0.0             # its compute (units a forward enters)
+        sb = sw = sn = 0     # streamed: bytes per forward, bytes in the slot, most calls
+        live = False         # does a forward enter one of its units?
+        last = False         # is its last unit mergeable?
 
-    def timed(self, res: frozenset) -> tuple[tuple, Plan] | None:
-        """The fastest window for residency ``res``, or None when none fits."""
-        if res in self.memo:
-            return self.memo[res]
+        def close() -> None:
+            nonlocal streamed, transfers
+            if not live:
+                return
+            if kind == "r":
+                if copy and copy[-1] is None:
+                    compute[-1] += sc
+                else:
+                    compute.append(sc)
+                    copy.append(None)
+                    sync.append(False)
+            else:
+                compute.append(sc)
+                copy.append(sb / bps)
+                sync.append(sn > 1)
+                streamed += sb
+                transfers += sn
+
+        for i in range(len(c)):
+            if i in res:
+                if kind != "r":
+                    close()
+                    kind, sc, live = "r", 0.0, False
+                if entered[i]:
+                    sc += c[i]
+                    live = True
+                continue
+            if kind == "s" and mergeable[i] and last and sw + w[i] <= slot_bytes:
+                sw += w[i]
+            else:
+                close()
+                kind, sc, sb, sw, sn, live = "s", 0.0, 0, w[i], 0, False
+            last = mergeable[i]
+            if entered[i]:
+                sc += c[i]
+                sb += wb[i]
+                sn = max(sn, calls[i])
+                live = True
+        close()
+        n = len(compute)
+        t = steady(compute, copy, [0] * n, [0.0] * n, sync, {0: max(slots, 1)}, self.overlap, self.session)[0]
+        return (t, streamed, transfers)
+
+    def timed(self, res: frozenset, kinds: tuple[str, ...] = WINDOWS) -> tuple | None:
+        """(key, slots, slot size, window kind) of the fastest window for residency ``res``; None
+        when none fits. Two slots where they fit (else one, as the count-based rule), each of one
+        of ``kinds``: "base" the size of the largest streamed unit, "grown" the count-based rule's
+        grown size, "room" all the room."""
+        memo = (res, kinds)
+        if memo in self.memo:
+            return self.memo[memo]
         self.evals += 1
         units = self.units
         w = sum(units[i].weight_bytes for i in res)
-        base = max((units[i].weight_bytes for i in range(len(units)) if i not in res and units[i].entered), default=0)
+        base = max((units[i].weight_bytes for i in self.free if i not in res), default=0)
+        spare = self.budget - w - self.act
         best = None
-        for slots in ((2, 1) if self.options.prefetch else (1,)):
-            spare = self.budget - w - self.act
-            room = spare // slots
-            if base > room:
-                continue
-            sizes = {base} if not base else {base, max(base, min(int(spare * WINDOW_SHARE), room)), room}
-            for sb in sorted(sizes):
-                p = plan_from_residency(units, self.budget, self.options, set(res), slots, sb,
-                                        self.base.split, self.warnings)
-                k = self.key(p)
-                if best is None or self.better(k, best[0]):
-                    best = (k, p)
-            break  # one slot only where two do not fit (as the count-based rule)
-        if base == 0 and best is None and w + self.act <= self.budget:
-            p = plan_from_residency(units, self.budget, self.options, set(res), 0, 0, self.base.split, self.warnings)
-            best = (self.key(p), p)
-        self.memo[res] = best
+        if base == 0:
+            if spare >= 0:
+                best = (self.window_time(res, 0, 0), 0, 0, kinds[0])
+        else:
+            for slots in ((2, 1) if self.options.prefetch else (1,)):
+                room = spare // slots
+                if base > room:
+                    continue
+                grown = min(int(spare * WINDOW_SHARE), room)
+                grown = max(base, grown - grown % self.options.block_bytes)
+                seen = set()
+                for kind in kinds:
+                    sb = {"base": base, "grown": grown, "room": room}[kind]
+                    if sb in seen:
+                        continue
+                    seen.add(sb)
+                    k = self.window_time(res, slots, sb)
+                    if best is None or _better(k, best[0]):
+                        best = (k, slots, sb, kind)
+                break  # one slot only where two do not fit
+        self.memo[memo] = best
         return best
+
+    def plan_of(self, res: frozenset, slots: int, slot_bytes: int) -> Plan:
+        return plan_from_residency(self.units, self.budget, self.options, set(res), slots, slot_bytes,
+                                   self.base.split, self.warnings)
+
+    # -- the search ----------------------------------------------------------------------------
 
     def run(self) -> Plan:
-        start = (self.key(self.base), self.base)
-        best = start
-        seeds = [self.spread(m) for m in range(1, len(self.free) + 1)]
-        seeds.append(self.greedy())
-        for t in seeds:
-            if t is not None and self.better(t[0], best[0]):
-                best = t
-        best = self.improve(best)
-        return best[1] if best[1] is not self.base and self.better(best[0], start[0]) else self.base
+        start = _key(self.base, self.bps, self.overlap, self.session)
+        seeds = []
+        for r in self.dp_seeds() + self.spread_seeds():
+            t = self.timed(r)
+            if t is not None:
+                seeds.append((t, r))
+        if not seeds:
+            return self.base
+        best = None
+        for t, r in sorted(seeds, key=lambda s: s[0][0])[:SEEDS_IMPROVED]:
+            r = self.improve(r, t[3])
+            t = self.timed(r)  # every window again for the residency found
+            if best is None or _better(t[0], best[0][0]):
+                best = (t, r)
+        (key, slots, size, _), res = best
+        if not _better(key, start):
+            return self.base
+        p = self.plan_of(res, slots, size)
+        # the plan itself, timed as ``predict`` times it, must beat the count-based plan
+        return p if _better(_key(p, self.bps, self.overlap, self.session), start) else self.base
 
-    def spread(self, m: int) -> tuple[tuple, Plan] | None:
-        """``m`` units streamed, spread evenly over the forward's compute time (each streamed copy
-        then has about the same compute before it to hide behind); the rest resident."""
-        free = self.free
-        total = sum(self.units[i].compute_s for i in free) or 1.0
-        picks, acc, k = set(), 0.0, 0
-        for i in free:
-            c = self.units[i].compute_s
-            while k < m and (k + 0.5) * total / m < acc + c:
-                picks.add(i)
-                k += 1
-            acc += c
-        return self.timed(self.must | frozenset(i for i in free if i not in picks))
-
-    def greedy(self) -> tuple[tuple, Plan] | None:
-        res = self.must
-        cur = self.timed(res)
-        while cur is not None and self.evals < MAX_EVALS:
-            pick = None
-            out = [i for i in self.free if i not in res]
-            if len(out) > GREEDY_TRIES:  # a sample spread over the forward, shifted every round
-                shift = self.evals % len(out)
-                out = [out[(shift + j * len(out) // GREEDY_TRIES) % len(out)] for j in range(GREEDY_TRIES)]
-            for i in out:
-                t = self.timed(res | {i})
-                if t is None:
+    def dp_seeds(self) -> list[frozenset]:
+        """Residencies from ``_stalls_dp`` for each largest streamed size and a range of prices of
+        a resident byte (bisected to where the residency fits)."""
+        units, free = self.units, self.free
+        out: dict[frozenset, None] = {}
+        one_slot = not self.options.prefetch
+        for cap in sorted({units[i].weight_bytes for i in free}):
+            for slots in ((1,) if one_slot else (2, 1)):
+                room = self.budget - self.act - self.must_bytes - slots * cap
+                if room < 0:
                     continue
-                gain = (cur[0][0] - t[0][0]) / max(1, self.units[i].weight_bytes)
-                if gain > 0 and (pick is None or gain > pick[0]):
-                    pick = (gain, i, t)
-            if pick is None:
-                break
-            res, cur = res | {pick[1]}, pick[2]
-        return cur
+                sync = slots == 1 or not self.overlap
+                lo, hi = 0.0, 2.0 * max(units[i].calls for i in free) / self.bps
+                for _ in range(DP_PRICES):
+                    lam = (lo + hi) / 2
+                    streamed, res_bytes = self.stalls_dp(cap, lam, sync, room)
+                    if streamed is None:
+                        break
+                    if res_bytes <= room:
+                        out[self.must | frozenset(i for i in free if i not in streamed)] = None
+                        hi = lam
+                    else:
+                        lo = lam
+                if one_slot or not sync:
+                    break  # two slots fit this size: one slot is never faster
+        return list(out)
 
-    def improve(self, best: tuple[tuple, Plan]) -> tuple[tuple, Plan]:
-        res = frozenset(i for s in best[1].segments if s.resident for i in s.units if i in self.free) | self.must
+    def spread_seeds(self) -> list[frozenset]:
+        """For each count m: m units streamed, spread evenly over the forward's compute time (each
+        streamed copy then has about the same compute before it to hide behind); the rest
+        resident. Only counts whose residency can fit are tried."""
+        units, free = self.units, self.free
+        total = sum(units[i].compute_s for i in free) or 1.0
+        room = self.budget - self.act - self.must_bytes
+        out = []
+        for m in range(1, len(free) + 1):
+            picks, acc, k = set(), 0.0, 0
+            for i in free:
+                c = units[i].compute_s
+                while k < m and (k + 0.5) * total / m < acc + c:
+                    picks.add(i)
+                    k += 1
+                acc += c
+            held = sum(units[i].weight_bytes for i in free if i not in picks)
+            if held + min(units[i].weight_bytes for i in picks) <= room:
+                out.append(self.must | frozenset(i for i in free if i not in picks))
+        return out
+
+    def stalls_dp(self, cap: int, lam: float, sync: bool, room: int) -> tuple[set[int] | None, int]:
+        """The streamed units minimising (stall seconds + ``lam`` x free resident bytes), by dynamic
+        programming over the forward's units in execution order, where a streamed unit's stall is
+        its copy less the compute since the streamed unit before it began (its copy starts when
+        that one's slot frees it; all of its copy when ``sync``), and a unit streams only if it
+        holds at most ``cap`` bytes. Returns (streamed unit indices, free resident bytes)."""
+        units, bps = self.units, self.bps
+        order = [i for i, u in enumerate(units) if u.entered]
+        m = len(order)
+        c = [units[i].compute_s for i in order]
+        w = [0 if units[i].keep_resident else units[i].weight_bytes for i in order]
+        x = [units[i].weight_bytes * units[i].calls / bps for i in order]
+        can = [not units[i].keep_resident and units[i].weight_bytes <= cap for i in order]
+        loop = [sync or units[i].calls > 1 for i in order]
+        inf = float("inf")
+        cost = [inf] * m
+        carry = [0.0] * m  # on the chosen path: copy time the next copy had before this unit began
+        back = [-1] * m
+        for j in range(m):
+            if not can[j]:
+                continue
+            best, arg, h = inf, -2, 0.0
+            win, held = 0.0, 0  # compute and free resident bytes strictly between i and j
+            for i in range(j - 1, -2, -1):
+                if held > room:
+                    break
+                if i < 0 or can[i]:
+                    if i < 0:  # the first copy is made during the forward before: taken as hidden
+                        prev, avail = 0.0, inf
+                    else:
+                        prev, avail = cost[i], carry[i] + c[i] + win
+                    stall = x[j] if loop[j] else max(0.0, x[j] - avail)
+                    v = prev + lam * held + stall
+                    if v < best:
+                        best, arg, h = v, i, 0.0 if loop[j] else min(max(0.0, avail - x[j]), win)
+                if i >= 0:
+                    win += c[i]
+                    held += w[i]
+            cost[j], back[j], carry[j] = best, arg, h
+        best, last, held = inf, None, 0
+        for j in range(m - 1, -1, -1):
+            if can[j] and cost[j] + lam * held < best:
+                best, last = cost[j] + lam * held, j
+            held += w[j]
+            if held > room:
+                break
+        if last is None:
+            return None, 0
+        streamed = set()
+        j = last
+        while j >= 0:
+            streamed.add(order[j])
+            j = back[j]
+        res_bytes = sum(units[i].weight_bytes for i in self.free if i not in streamed)
+        return streamed, res_bytes
+
+    def improve(self, res: frozenset, kind: str) -> frozenset:
+        """Local moves from residency ``res`` while they shorten the step (its windows of ``kind``
+        only): a unit made resident, a resident one streamed, or a streamed unit's place moved to a
+        resident unit's, nearest first (first improvement, at most ``MAX_MOVES`` tried)."""
+        kinds = (kind,)
+        best = self.timed(res, kinds)
+        free = self.free
+        pos = {i: k for k, i in enumerate(free)}
+        tried = 0
         improved = True
-        while improved and self.evals < MAX_EVALS:
+        while improved and tried < MAX_MOVES:
             improved = False
-            out = [i for i in self.free if i not in res]
-            ins = [i for i in self.free if i in res]
-            moves = [res | {i} for i in out] + [res - {r} for r in ins] + \
-                    [(res - {r}) | {i} for r in ins for i in out]
+            out = [i for i in free if i not in res]
+            ins = [i for i in free if i in res]
+            # nearest first: a place moved a unit or two, then farther ones while moves are left
+            swaps = sorted((abs(pos[i] - pos[r]), i, r) for i in out for r in ins)
+            moves = chain((res | {i} for i in out), (res - {r} for r in ins),
+                          ((res - {r}) | {i} for _, i, r in swaps))
             for cand in moves:
-                if self.evals >= MAX_EVALS:
+                if tried >= MAX_MOVES:
                     break
-                t = self.timed(frozenset(cand))
-                if t is not None and self.better(t[0], best[0]):
-                    best, res, improved = t, frozenset(cand), True
+                cand = frozenset(cand)
+                if (cand, kinds) in self.memo:
+                    continue
+                tried += 1
+                t = self.timed(cand, kinds)
+                if t is not None and _better(t[0], best[0]):
+                    best, res, improved = t, cand, True
                     break
-        return best
+        return res
+
+
+def _key(p: Plan, bps: float, overlap: bool, session: bool) -> tuple:
+    return (step_time(p, bps, overlap, session), p.streamed_bytes_per_forward, p.transfers_per_forward)
+
+
+def _better(a: tuple, b: tuple) -> bool:
+    """Strictly faster (beyond float rounding), or as fast with fewer bytes streamed, then fewer
+    transfers."""
+    if a[0] < b[0] - _EPS * max(1.0, b[0]):
+        return True
+    return abs(a[0] - b[0]) <= _EPS * max(1.0, b[0]) and a[1:] < b[1:]

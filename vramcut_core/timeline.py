@@ -92,47 +92,70 @@ def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: boo
       segments than it has slots copies nothing after the first forward, and the next forward's
       first copies start during this one. Without it every forward starts with empty slots.
 
-    Forwards are simulated until one repeats the one before (it does within a few) and that one
-    is returned."""
+    Forwards are simulated until one starts with the copy streams and slots as the one before
+    started (it does within a few: then that forward repeats forever) and that one is returned."""
     steps = list(steps)
     devices = sorted({s.device for s in steps})
     slots = {d: 1 + (depth if isinstance(depth, int) else depth[i]) for i, d in enumerate(devices)}
-    streamed = {d: [i for i, s in enumerate(steps) if s.device == d and s.copy_s is not None] for d in devices}
-    held = {d: session and len(streamed[d]) <= slots[d] for d in devices}
-    copied = tuple(s.copy_s is not None and not held[s.device] for s in steps)
+    step_s, stalls, copied = steady([s.compute_s for s in steps], [s.copy_s for s in steps],
+                                    [s.device for s in steps], [s.hop_s for s in steps],
+                                    [s.sync for s in steps], slots, overlap, session)
+    return Timeline(step_s, stalls, copied, sum(s.compute_s for s in steps), sum(s.hop_s for s in steps))
+
+
+def steady(compute: Sequence[float], copy: Sequence[float | None], device: Sequence[int],
+           hop: Sequence[float], sync: Sequence[bool], slots: Mapping[int, int], overlap: bool = True,
+           session: bool = True) -> tuple[float, tuple[float, ...], tuple[bool, ...]]:
+    """``simulate`` on plain lists, one entry per step (``Step``'s fields) and the slots of each
+    device: (step seconds, stalls, copied). The planner's searches call it directly (no objects
+    built per residency tried)."""
+    n = len(compute)
+    devices = set(device)
+    streamed = {d: sum(1 for i in range(n) if device[i] == d and copy[i] is not None) for d in devices}
+    held = {d: session and streamed[d] <= slots[d] for d in devices}
+    copied = tuple(copy[i] is not None and not held[device[i]] for i in range(n))
+    # a streamed step waits for its whole copy: no overlap, one slot, or a copy made on entry
+    waits = tuple(c and (not overlap or slots[device[i]] == 1 or sync[i]) for i, c in enumerate(copied))
     # per device: when its copy stream is free, and when each of its last (slots) streamed
     # segments finished computing (a slot is free once its segment has run)
     copy_free = {d: 0.0 for d in devices}
     freed: dict[int, list[float]] = {d: [0.0] * slots[d] for d in devices}
     end = 0.0
-    last: tuple | None = None
+    stalls: list[float] = []
+    state: tuple | None = None
     for _ in range(_MAX_STEPS):
         start = end
         if not session:  # slots released after each forward: the first copies start with the next
             copy_free = {d: start for d in devices}
             freed = {d: [start] * slots[d] for d in devices}
+        # a forward is fixed by the copy streams and slots as they stand when it starts (relative
+        # to its start): when they stand as they did one forward ago, that forward repeats forever
+        now = tuple(round(t - start, 12) for d in sorted(devices) for t in [copy_free[d], *freed[d]])
+        if now == state:
+            return step_s, tuple(stalls), copied
+        state = now
         stalls = []
-        for s, c in zip(steps, copied):
-            ready = end + s.hop_s
-            if not c:
+        for i in range(n):
+            ready = end + hop[i]
+            d = device[i]
+            if not copied[i]:
                 begin = ready
-            elif not overlap or slots[s.device] == 1 or s.sync:
-                begin = ready + s.copy_s
-                copy_free[s.device] = begin
+            elif waits[i]:
+                begin = ready + copy[i]
+                copy_free[d] = begin
             else:
-                copy_end = max(copy_free[s.device], freed[s.device][0]) + s.copy_s
-                copy_free[s.device] = copy_end
-                begin = max(ready, copy_end)
-            end = begin + s.compute_s
-            if c:
-                freed[s.device] = freed[s.device][1:] + [end]
+                f = freed[d]
+                copy_end = max(copy_free[d], f[0]) + copy[i]
+                copy_free[d] = copy_end
+                begin = ready if ready > copy_end else copy_end
+            end = begin + compute[i]
+            if copied[i]:
+                f = freed[d]
+                f.pop(0)
+                f.append(end)
             stalls.append(begin - ready)
-        now = (round(end - start, 12), tuple(round(x, 12) for x in stalls))
-        if now == last:
-            break
-        last = now
-    return Timeline(end - start, tuple(stalls), copied, sum(s.compute_s for s in steps),
-                    sum(s.hop_s for s in steps))
+        step_s = end - start
+    return step_s, tuple(stalls), copied
 
 
 def known(units: Sequence[PlanUnit]) -> bool:

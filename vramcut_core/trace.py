@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from . import quant
-from .measure import UnitMeasurement, _PlainAlias, record_entry
+from .measure import UnitMeasurement, UnitRecorder, _PlainAlias
 from .tensors import is_plain_tensor
 from .units import Unit
 
@@ -230,8 +230,9 @@ def _tracker_base():
 
 
 class _UnitTracker(_tracker_base()):
-    """MemTracker with the measuring forward's windows: live activation bytes (everything it
-    tracks but parameters and buffers) at each unit entry, and the most of them until the next.
+    """MemTracker feeding the measuring forward's ``UnitRecorder``: live activation bytes
+    (everything it tracks but parameters and buffers) at each unit entry, and the most of them
+    until the next.
 
     ``_update_peak_stats`` is MemTracker's per-operator callback; it is replaced whole because its
     per-module local peaks (a walk over every module at every operator) are not used here."""
@@ -241,10 +242,8 @@ class _UnitTracker(_tracker_base()):
         self._dev_type = dev.type
         self._flops = flops      # a FlopCounterMode: its total is read at each unit switch
         self._flops_seen = 0     # the total already given to a unit
-        self._meas: dict[str, UnitMeasurement] = {}
-        self._modules: set[int] = set()
-        self._current: str | None = None
-        self._window = 0
+        self.recorder = UnitRecorder()
+        self._unit_peak = 0      # the most live bytes since the running unit was entered
         self.forward_peak = 0
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
@@ -263,37 +262,34 @@ class _UnitTracker(_tracker_base()):
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 (MemTracker's signature)
         live = self._live()
-        if live > self._window:
-            self._window = live
+        if live > self._unit_peak:
+            self._unit_peak = live
         if live > self.forward_peak:
             self.forward_peak = live
 
     def enter(self, name: str, module: nn.Module) -> None:
-        self._modules.add(id(module))
-        if name == self._current:
+        rec = self.recorder
+        rec.saw(module)
+        if name == rec.current:
             return
-        self._close()
-        self._current = name
-        self._window = live = self._live()
-        record_entry(self._meas, name, live)  # as the executor's measuring forward records it
-        if self._flops is not None and self._meas[name].flops is None:
-            self._meas[name].flops = 0
+        self._leave()
+        self._unit_peak = live = self._live()
+        rec.enter(name, live)
+        if self._flops is not None and rec.meas[name].flops is None:
+            rec.meas[name].flops = 0
 
-    def _close(self) -> None:
-        if self._current is not None:
-            m = self._meas[self._current]
-            m.peak_bytes = max(m.peak_bytes, self._window)
-            if self._flops is not None:  # what ran since the last switch (before the first: too)
-                total = self._flops.get_total_flops()
-                m.flops += total - self._flops_seen
-                self._flops_seen = total
+    def _leave(self) -> None:
+        rec = self.recorder
+        if rec.current is not None and self._flops is not None:  # what ran since the last switch
+            total = self._flops.get_total_flops()                 # (before the first: too)
+            rec.meas[rec.current].flops += total - self._flops_seen
+            self._flops_seen = total
+        rec.leave(self._unit_peak)
 
     def finish(self, units: Sequence[Unit]) -> dict[str, UnitMeasurement]:
-        self._close()
+        self._leave()
         by_name = {u.name: u for u in units}
-        for n, m in self._meas.items():  # in entry order
-            m.modules = frozenset(id(x) for x in by_name[n].hook_modules if id(x) in self._modules)
-        return dict(self._meas)
+        return self.recorder.finish(lambda n: by_name[n].hook_modules)
 
 
 class _ModuleState:

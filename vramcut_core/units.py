@@ -129,7 +129,7 @@ class Unit:
     kind: str  # "block", "prelude", "final" or "shared"
     roots: list[tuple[str, nn.Module]]
     tensors: list[UnitTensor]
-    pinned: bool = False  # must stay resident (shared tensors, tensors read outside a hook)
+    keep_resident: bool = False  # must stay resident (shared tensors, tensors read outside a hook)
 
     @property
     def weight_bytes(self) -> int:
@@ -376,7 +376,7 @@ def _build(root: nn.Module, blocks: list[tuple[str, nn.Module]], family: str, la
         units.append(Unit(name, "final", leaves[name], claims.tensors_of(name)))
     shared = claims.tensors_of(SHARED)
     if shared:
-        units.insert(0, Unit(SHARED, "shared", [], shared, pinned=True))
+        units.insert(0, Unit(SHARED, "shared", [], shared, keep_resident=True))
     units = [u for u in units if u.tensors]
     return UnitSet(units, family, label, warnings)
 
@@ -413,7 +413,7 @@ def find_units(module: nn.Module, family: str | None = None) -> UnitSet:
 def split_unit(unit: Unit) -> list[Unit] | None:
     """Cut a unit finer: one sub-unit per root when it has several, else one per child module
     of its single root. Tensors the root owns directly (read by its own forward at any time)
-    become a pinned ``<name>.self`` sub-unit. Returns None when the unit cannot be cut finer."""
+    become a ``<name>.self`` sub-unit kept resident. Returns None when the unit cannot be cut finer."""
     if unit.kind == "shared" or not unit.roots:
         return None
     mine = {id(t.tensor) for t in unit.tensors}
@@ -440,14 +440,14 @@ def split_unit(unit: Unit) -> list[Unit] | None:
             claims.claim_subtree(name, q, m)
     subs: list[Unit] = []
     if direct:
-        subs.append(Unit(f"{unit.name}.self", unit.kind, [], direct, pinned=True))
+        subs.append(Unit(f"{unit.name}.self", unit.kind, [], direct, keep_resident=True))
     for name, roots in parts:
         tensors = [t for t in claims.tensors_of(name) if id(t.tensor) in mine]
         if tensors:
             subs.append(Unit(name, unit.kind, roots, tensors))
     shared = [t for t in claims.tensors_of(SHARED) if id(t.tensor) in mine]
     if shared:  # a module used by two children of the block: keep it with the block's own tensors
-        subs.insert(0, Unit(f"{unit.name}.shared", unit.kind, [], shared, pinned=True))
+        subs.insert(0, Unit(f"{unit.name}.shared", unit.kind, [], shared, keep_resident=True))
     if len(subs) < 2:
         return None
     return subs

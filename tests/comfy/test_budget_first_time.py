@@ -44,7 +44,7 @@ def forwards(monkeypatch, pack):
 
 def engines(pack, obj):
     for o in (obj, getattr(obj, "patcher", None)):
-        st = pack.nodes.host.state_of(o) if o is not None else None
+        st = pack.nodes.patcher.state_of(o) if o is not None else None
         if st is not None:
             return list(st._engines.values())
     raise AssertionError(f"no VRAMCut state on {obj!r}")

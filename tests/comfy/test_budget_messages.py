@@ -52,8 +52,8 @@ def test_sampling_budget_too_small_for_activations_is_a_plain_error(comfy, max_v
     (probe, _, _), payload = max_vram(1.0, model=model)
     tm.sample(probe, pos, neg, latent, steps=1)
     plan = entry(payload, "MODEL")["plan"]
-    pinned = sum(u["weight_bytes"] for u in plan["units"] if u["pinned"])
-    biggest = max(u["weight_bytes"] for u in plan["units"] if not u["pinned"])
+    pinned = sum(u["weight_bytes"] for u in plan["units"] if u["keep_resident"])
+    biggest = max(u["weight_bytes"] for u in plan["units"] if not u["keep_resident"])
     act = plan["activation_reserve_bytes"]
     assert act > 4 * biggest, "the activations must be what does not fit"
     budget = pinned + 2 * biggest + act // 2
@@ -99,7 +99,7 @@ def test_vae_encoder_down_block_is_cut_through_its_block_list(comfy):
     us = find_units(vae.first_stage_model)
     unit = next(u for u in us.units if u.name == "encoder.down.3")
     parts = split_unit(unit)
-    assert parts is not None and len([p for p in parts if not p.pinned]) >= 2
+    assert parts is not None and len([p for p in parts if not p.keep_resident]) >= 2
     assert sum(p.weight_bytes for p in parts) == unit.weight_bytes
 
 

@@ -42,8 +42,8 @@ def tight_budget_gb(plan_json):
     """From a measured plan at a generous budget: what must stay resident, a window of two of
     the largest other unit, the activations, and a little; streams all else."""
     units = plan_json["units"]
-    pinned = sum(u["weight_bytes"] for u in units if u["pinned"])
-    rest = sorted((u["weight_bytes"] for u in units if not u["pinned"]), reverse=True)
+    pinned = sum(u["weight_bytes"] for u in units if u["keep_resident"])
+    rest = sorted((u["weight_bytes"] for u in units if not u["keep_resident"]), reverse=True)
     need = pinned + 2.5 * rest[0] + plan_json["activation_reserve_bytes"] + (64 << 10)
     assert need < sum(u["weight_bytes"] for u in units) + plan_json["activation_reserve_bytes"], \
         "the model is too small to force streaming at any budget"

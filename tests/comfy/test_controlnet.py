@@ -123,7 +123,7 @@ def test_controlnet_on_patched_model_matches_unpatched(setup, max_vram, pack):
         assert torch.equal(tm.sample(patched, pos, neg, LATENT, steps=3), plain)
         # and the unpatched model is unchanged
         assert torch.equal(tm.sample(model, cpos, cneg, LATENT, steps=3), ref)
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     assert state is not None and not state.running
     assert all(en.executor.device_bytes == 0 for en in state._engines.values())
 

@@ -124,7 +124,7 @@ def test_model(max_vram, pack, lora, has_loader):
     (patched, _, _), payload = max_vram(budget_for(model.model.diffusion_model), model=src)
     if lora == "after":
         patched = with_lora(patched)
-    assert not pack.nodes.host.is_dynamic(patched) and patched.model is model.model
+    assert not pack.nodes.patcher.is_dynamic(patched) and patched.model is model.model
     assert type(patched).__name__.startswith("VRAMCut")
     with DynamicWatch(model.model.diffusion_model) as w:
         out = tm.sample(patched, pos, neg, latent, steps=2)
@@ -169,7 +169,7 @@ def test_free_vram_mode_asks_the_host_what_it_could_free(max_vram, pack, monkeyp
     dyn = dh.make_dynamic(model)
     (patched, _, _), _ = max_vram(1024.0, model=dyn, budget_mode="free VRAM minus reserve",
                                   reserve_gb=1.0)  # a cap above any free memory
-    (engine,) = pack.nodes.host.state_of(patched)._engines.values()
+    (engine,) = pack.nodes.patcher.state_of(patched)._engines.values()
     plain_budget = mm.get_free_memory(patched.load_device) - GIB
     # the device's free memory moves a little between the two readings; the stand-in adds 3 GiB
     assert abs(engine.config.budget_bytes - (plain_budget + dh.RECLAIMABLE)) < GIB // 2
@@ -203,7 +203,7 @@ def test_clip(max_vram, pack, lora):
     (_, patched, _), payload = max_vram(budget_for(clip.cond_stage_model), clip=dyn)
     if lora == "after":
         patched = with_lora(patched)
-    assert type(patched).__name__ == "VRAMCutCLIP" and not pack.nodes.host.is_dynamic(patched.patcher)
+    assert type(patched).__name__ == "VRAMCutCLIP" and not pack.nodes.patcher.is_dynamic(patched.patcher)
     with DynamicWatch(clip.cond_stage_model) as w:
         out = patched.encode_from_tokens(tokens, return_pooled=True)
     assert w.seen == []
@@ -240,7 +240,7 @@ def test_vae(max_vram, pack, kind):
         host_loads(dyn.patcher, vae.first_stage_model)
     gb = budget_for(vae.first_stage_model) if any(True for _ in vae.first_stage_model.parameters()) else 0.01
     (_, _, patched), _ = max_vram(gb, vae=dyn)
-    assert type(patched).__name__ == "VRAMCutVAE" and not pack.nodes.host.is_dynamic(patched.patcher)
+    assert type(patched).__name__ == "VRAMCutVAE" and not pack.nodes.patcher.is_dynamic(patched.patcher)
     with DynamicWatch(vae.first_stage_model) as w:
         out = (patched.decode(latent), patched.encode(image))
     assert w.seen == []
@@ -255,12 +255,12 @@ def test_upscale_model(pack):
     run = lambda m: ImageUpscaleWithModel().upscale(m, image)[0]  # noqa: E731
     ref = run(up)
     dyn = copy.copy(up)
-    dyn.patcher = dh.make_dynamic(getattr(up, "patcher", None) or pack.nodes.host.plain_patcher(up.model))
+    dyn.patcher = dh.make_dynamic(getattr(up, "patcher", None) or pack.nodes.patcher.plain_patcher(up.model))
     host_loads(dyn.patcher, up.model)
     out, _ = run_node(pack, "VRAMCutMaxVRAMExtras", "9", max_vram_gb=budget_for(up.model), budget_mode="fixed",
                       reserve_gb=1.0, prefetch=True, residency=True, upscale_model=dyn)
     patched = out[0]
-    assert not pack.nodes.host.is_dynamic(patched.patcher)
+    assert not pack.nodes.patcher.is_dynamic(patched.patcher)
     with DynamicWatch(up.model) as w:
         out = run(patched)
     assert w.seen == []
@@ -277,7 +277,7 @@ def test_clip_vision(pack):
     out, _ = run_node(pack, "VRAMCutMaxVRAMExtras", "9", max_vram_gb=budget_for(cv.model), budget_mode="fixed",
                       reserve_gb=1.0, prefetch=True, residency=True, clip_vision=dyn)
     patched = out[1]
-    assert not pack.nodes.host.is_dynamic(patched.patcher)
+    assert not pack.nodes.patcher.is_dynamic(patched.patcher)
     with DynamicWatch(cv.model) as w:
         out = patched.encode_image(image)
     assert w.seen == []

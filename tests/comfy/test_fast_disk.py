@@ -29,7 +29,7 @@ def _where(model):
 
 
 def _engine(pack, patched):
-    (engine,) = pack.nodes.host.state_of(patched)._engines.values()
+    (engine,) = pack.nodes.patcher.state_of(patched)._engines.values()
     return engine
 
 
@@ -81,7 +81,7 @@ def test_host_fast_disk_follows_the_patcher_then_the_switch(comfy, pack, no_cli_
     elif switch == "disable_fast_disk":
         monkeypatch.setattr(no_cli_switch, "fast_disk", True)
         monkeypatch.setattr(no_cli_switch, "disable_fast_disk", True)
-    assert pack.nodes.host_gpu.host_fast_disk(model) is expected
+    assert pack.nodes.gpu.host_fast_disk(model) is expected
 
 
 def test_without_fast_disk_the_engine_option_is_off(comfy, pack, max_vram, no_cli_switch):

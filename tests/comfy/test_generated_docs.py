@@ -56,3 +56,30 @@ def test_full_size_page_is_what_the_script_writes_now(comfy):
     rows = [line for line in now if line.startswith(("| Flux", "- **Flux"))]
     assert len(rows) == 2 and all(r in page for r in rows), rows
     assert any(line.startswith(docgen.STAMP) for line in page)
+
+
+def test_predicted_page_is_what_the_script_writes_now(comfy):
+    """docs/predicted.md's Flux.1-dev rows (one dry run; the four models with the published
+    shapes' dry runs take about a minute on a small CPU) and its header are what
+    bench/predict_table.py writes now."""
+    import subprocess
+
+    import docgen
+    import tiny_models as tm
+    with open(os.path.join(ROOT, "docs", "predicted.md"), encoding="utf-8") as f:
+        page = f.read().splitlines()
+    host = os.path.basename(os.path.dirname(tm.comfyui_path()))
+    if not any(f"[full_size.md](full_size.md)'s (ComfyUI {host}," in line for line in page):
+        pytest.skip(f"docs/predicted.md was generated on another host than {host}")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "predict_table.py"), "--only", "Flux.1-dev"],
+                         cwd=ROOT, env=dict(os.environ, COMFYUI_PATH=tm.comfyui_path()), capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    now = docgen.without_stamp(out.stdout).splitlines()
+    # the prose and the tables' headers: every line that is not a model's row or note
+    prose = [line for line in now if not line.startswith(("| Flux", "- **"))]
+    missing = [line for line in prose if line not in page]
+    assert not missing, f"the page's text is not the script's: {missing[:3]}"
+    rows = [line for line in now if line.startswith(("| Flux", "- **Flux"))]
+    assert len(rows) == 5 and all(r in page for r in rows), rows
+    assert any(line.startswith(docgen.STAMP) for line in page)

@@ -53,7 +53,7 @@ def test_all_resident_model_holds_weights_only_inside_the_run(comfy, max_vram, p
     (patched, _, _), payload = max_vram(8.0, model=with_lora(model) if lora == "before" else model)
     if lora == "after":
         patched = with_lora(patched)
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     held = []
 
     def step(*_a):
@@ -82,7 +82,7 @@ def test_cond_and_uncond_batch_as_if_the_held_weights_were_free(comfy, max_vram,
     model = tm.load_tiny_sd3(depth=4, seed=5)
     pos, neg = tm.tiny_sd3_conditioning()
     (patched, _, _), _ = max_vram(8.0, model=model)
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     free = 1 << 30
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free) if torch_free_too else free)
     cls = type(patched.model)

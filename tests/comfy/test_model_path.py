@@ -79,7 +79,7 @@ def test_sampling_matches_unpatched_and_original_is_unchanged(family, max_vram, 
     # the original still samples as before, and carries no VRAMCut wrapper
     assert torch.equal(tm.sample(model, pos, neg, latent, steps=3), ref)
     assert "vramcut" not in str(model.wrappers)
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     assert state is not None and not state.running
     for e in state._engines.values():
         assert e.executor.device_bytes == 0, "device buffers must be released after sampling"
@@ -89,7 +89,7 @@ def test_plan_is_measured_once_per_shape_and_cached_for_the_run(family, max_vram
     name, model, pos, neg, latent = family
     (patched, _, _), payload = max_vram(budget_gb(model), model=model)
     tm.sample(patched, pos, neg, latent, steps=4)
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     (engine,) = state._engines.values()
     assert len(engine._plans) == 1, "one plan for one latent shape (cond and uncond batched)"
     # at the end of sampling the node shows what the run did
@@ -159,7 +159,7 @@ def test_interrupt_mid_sampling_leaves_the_model_usable(comfy, max_vram, pack):
     with pytest.raises(mm.InterruptProcessingException):
         comfy.sample.sample(patched, noise, 3, 2.0, "euler", "simple", pos, neg, latent,
                             callback=cancel_at_step_1, disable_pbar=True, seed=0)
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     assert not state.running
     assert all(e.executor.device_bytes == 0 for e in state._engines.values())
     assert_same(model.model.diffusion_model, snap)

@@ -105,7 +105,7 @@ def test_fast_disk(comfy, pack, max_vram):
     assert type(again) is type(patched) and again.fast_disk is True, "a clone keeps VRAMCut and fast_disk"
     assert torch.equal(tm.sample(again, pos, neg, (1, 16, 8, 8), steps=2), ref)
     # the adapter's patcher classes never narrow the host's constructor
-    host = pack.nodes.host
+    host = pack.nodes.patcher
     for cls in (host.VRAMCutModelPatcher, type(patched)):
         assert "__init__" not in vars(cls)
     assert "fast_disk" in inspect.signature(type(patched).__init__).parameters

@@ -296,10 +296,10 @@ def test_quantized_model_samples_bit_exact_with_stored_bytes_in_budget(quantized
     assert not any("cannot be taken apart" in w for w in plan["warnings"]), plan["warnings"]
     # stored bytes: every unit's plan bytes are its parts, aligned, and no larger than its
     # stored size rounded up per tensor
-    state = pack.nodes.host.state_of(patched)
+    state = pack.nodes.patcher.state_of(patched)
     (engine,) = state._engines.values()
     for u in engine.unitset.units:
-        lay = engine.executor.layout(u.name)
+        lay = engine.executor.memory.layout(u.name)
         assert lay.other == [], f"{fmt}: {u.name} has tensors moved one by one"
         assert engine.executor.unit_device_bytes(u.name) <= u.weight_bytes + 256 * len(u.tensors) * 3
     stats = plan["stats"]
@@ -434,8 +434,8 @@ def tight_clip_budget(max_vram, c, tokens):
         probe.encode_from_tokens(tokens)
     plan_json = payload["models"][0]["plan"]
     units = plan_json["units"]
-    pinned = sum(u["weight_bytes"] for u in units if u["pinned"])
-    rest = max(u["weight_bytes"] for u in units if not u["pinned"])
+    pinned = sum(u["weight_bytes"] for u in units if u["keep_resident"])
+    rest = max(u["weight_bytes"] for u in units if not u["keep_resident"])
     return (pinned + 2.5 * rest + plan_json["activation_reserve_bytes"] + (64 << 10)) / GIB
 
 
@@ -463,10 +463,10 @@ def test_gguf_text_encoder_encodes_bit_exact_with_stored_bytes_in_budget(comfy, 
     assert plan["measured"] and plan["streamed_bytes_per_forward"] > 0
     assert not any("cannot be taken apart" in w for w in plan["warnings"]), plan["warnings"]
     assert plan["stats"]["peak_device_bytes"] <= plan["budget_bytes"], "measured peak over budget"
-    state = pack.nodes.host.state_of(patched.patcher)
+    state = pack.nodes.patcher.state_of(patched.patcher)
     (engine,) = state._engines.values()
     for u in engine.unitset.units:  # the stored bytes, one flat copy per unit
-        assert engine.executor.layout(u.name).other == [], f"{u.name} has tensors moved one by one"
+        assert engine.executor.memory.layout(u.name).other == [], f"{u.name} has tensors moved one by one"
         assert engine.executor.unit_device_bytes(u.name) <= u.weight_bytes + 256 * len(u.tensors) * 3
     print(f"\nCLIP {qtype}: units {[(u.name, engine.executor.unit_device_bytes(u.name)) for u in engine.unitset.units]}"
           f" budget {plan['budget_bytes']} plan peak {plan['peak_bytes']}"

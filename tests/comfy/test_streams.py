@@ -1,4 +1,4 @@
-"""The adapter's view of the host's own GPU use (nodes/streams.py): offload streams, weights
+"""The adapter's view of the host's own GPU use (nodes/gpu.py): offload streams, weights
 written in place by hook LoRAs, and memory the engines hold."""
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import tiny_models as tm
 
 
 def test_no_offload_streams_on_cpu(comfy, pack):
-    streams = sys.modules[pack.__name__ + ".nodes.streams"]
-    assert streams.offload_streams(torch.device("cpu")) == []
+    gpu = sys.modules[pack.__name__ + ".nodes.gpu"]
+    assert gpu.offload_streams(torch.device("cpu")) == []
 
 
 def test_hook_patching_announces_the_write_and_free_memory_counts_held_weights(comfy, max_vram, pack):
     import comfy.model_management as mm
 
-    host = sys.modules[pack.__name__ + ".nodes.host"]
+    host = sys.modules[pack.__name__ + ".nodes.patcher"]
     Engine = sys.modules[pack.__name__ + ".vramcut_core.engine"].Engine
     model = tm.load_tiny_sd3(depth=4)
     (patched, _, _), _ = max_vram(0.05, model=model)
     st = host.state_of(patched)
-    engines = list(st._engines.values())
+    engines = st.engines()
     assert engines, "the node builds the engine to show its plan"
     calls = []
     orig = Engine.weights_changed

@@ -44,7 +44,7 @@ def sample(model, pos, neg, latent_shape, steps, callback):
 
 
 def engines(pack, patched):
-    return list(pack.nodes.host.state_of(patched)._engines.values())
+    return list(pack.nodes.patcher.state_of(patched)._engines.values())
 
 
 def watch_moves(pack, patched):

@@ -46,7 +46,7 @@ def host_pins(comfy, pack, monkeypatch):
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 8 * GIB)
     monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
     monkeypatch.setattr(mm, "PINNED_MEMORY", {})
-    ledger = pack.vramcut_core.executor.PINNED
+    ledger = pack.vramcut_core.runtime.host_memory.PAGE_LOCKED
     monkeypatch.setattr(ledger, "room", None)
     monkeypatch.setattr(ledger, "bytes", 0)
     monkeypatch.setattr(ledger, "cap", -1)

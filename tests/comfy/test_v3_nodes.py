@@ -19,8 +19,9 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 EXAMPLES = os.path.join(REPO, "example_workflows")
 NODE_IDS = ("VRAMCutMaxVRAM", "VRAMCutMaxVRAMExtras")
 SHAPE_ID = "VRAMCutPreviewShape"  # added after the V1 classes: no saved contract before it
+DEVICES_ID = "VRAMCutDevices"     # likewise
 # inputs appended after the saved ones (optional: a saved workflow loads without them)
-APPENDED = [("preview_shape", "VRAMCUT_SHAPE")]
+APPENDED = [("preview_shape", "VRAMCUT_SHAPE"), ("devices", "VRAMCUT_DEVICES")]
 
 with open(os.path.join(HERE, "data", "node_info_v1_main.json"), encoding="utf-8") as f:
     MAIN = json.load(f)
@@ -57,7 +58,7 @@ def test_the_pack_registers_through_the_v3_entry_point_only(pack):
     # ComfyUI reads V1 mappings first and would then ignore the entry point
     assert getattr(pack, "NODE_CLASS_MAPPINGS", None) is None
     classes = node_classes(pack)
-    assert sorted(classes) == sorted(NODE_IDS + (SHAPE_ID,))
+    assert sorted(classes) == sorted(NODE_IDS + (SHAPE_ID, DEVICES_ID))
     for cls in classes.values():
         assert issubclass(cls, io.ComfyNode)
 
@@ -82,7 +83,7 @@ def test_the_served_node_info_is_the_one_saved_workflows_were_made_with(pack, no
         assert as_list(new[key]) == as_list(old[key]), key
 
 
-@pytest.mark.parametrize("node_id", NODE_IDS + (SHAPE_ID,))
+@pytest.mark.parametrize("node_id", NODE_IDS + (SHAPE_ID, DEVICES_ID))
 def test_every_input_has_a_tooltip(pack, node_id):
     info = _served(pack, node_id)
     for section in ("required", "optional"):

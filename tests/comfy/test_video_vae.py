@@ -62,7 +62,7 @@ def vae_entry(payload):
 
 
 def engine_of(pack, patched_vae):
-    (engine,) = pack.nodes.host.state_of(patched_vae.patcher)._engines.values()
+    (engine,) = pack.nodes.patcher.state_of(patched_vae.patcher)._engines.values()
     return engine
 
 

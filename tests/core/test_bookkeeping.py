@@ -120,16 +120,16 @@ def test_a_forward_that_is_not_ours_reads_the_masters():
         ref = model(x)
         snap = snapshot(model)
         eng = Engine(model, EngineConfig(budget_bytes=HUGE, device="cpu"))
-        eng.executor.on_loaded = _bump_device_copies
         with eng.session():
-            eng.run(model, x)
-            patched = eng.run(model, x)
+            eng.run(model, x, on_loaded=_bump_device_copies)
+            patched = eng.run(model, x, on_loaded=_bump_device_copies)
             assert not torch.equal(patched, ref), "the device copies must differ from the masters"
             assert eng.executor.holds_weights
             assert torch.equal(model(x), ref), "a plain forward between ours read the device copies"
             assert not eng.executor.holds_weights
             assert_unchanged(model, snap)
-            assert torch.equal(eng.run(model, x), patched)  # swapped in again, still patched once
+            # swapped in again, still patched once
+            assert torch.equal(eng.run(model, x, on_loaded=_bump_device_copies), patched)
             assert eng.executor.holds_weights
         assert_unchanged(model, snap)
 

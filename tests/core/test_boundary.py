@@ -38,3 +38,23 @@ def test_pack_modules_import_each_other_relatively():
     for path in list((ROOT / "nodes").rglob("*.py")) + [ROOT / "__init__.py"]:
         mods = imported_modules(path)
         assert "vramcut_core" not in mods and "nodes" not in mods, path.relative_to(ROOT)
+
+
+def test_the_adapter_reaches_the_engine_only_through_its_public_face():
+    """``nodes/`` imports only the names ``vramcut_core/__init__.py`` exports (no submodule, no
+    ``runtime``) and never reaches behind the engine (``engine.executor``, ``engine.planner``):
+    the adapter changes with each host release, the engine with each performance fix, and the
+    two meet at one door."""
+    import vramcut_core
+
+    public = set(vramcut_core.__all__)
+    for path in (ROOT / "nodes").rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2 and (node.module or "").startswith("vramcut_core"):
+                assert node.module == "vramcut_core", f"{where}:{node.lineno} imports {node.module}"
+                names = {a.name for a in node.names}
+                assert names <= public, f"{where}:{node.lineno} imports {names - public}, not exported"
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in ("executor", "planner"), f"{where}:{node.lineno} reaches .{node.attr}"

@@ -25,7 +25,7 @@ def probe(model, fn, *args):
     e = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cpu"))
     with torch.no_grad():
         e.run(fn, *args)
-    biggest = max(e.executor.unit_device_bytes(u.name) for u in e.unitset.units if not u.pinned)
+    biggest = max(e.executor.unit_device_bytes(u.name) for u in e.unitset.units if not u.keep_resident)
     return e.last_plan.activation_reserve_bytes, biggest
 
 

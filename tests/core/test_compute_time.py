@@ -152,3 +152,24 @@ def test_a_units_seconds_are_its_flops_over_the_probe(cache_dir):
         assert u.compute_s == flops[u.name] / probe == unit_seconds(flops[u.name], probe)
     assert timed[-1].compute_s is None  # no count: no time
     assert unit_seconds(flops["blocks.0"], None) is None  # no probe: no time
+
+
+def test_a_unit_cut_finer_keeps_its_parts_flops_summed():
+    # planner.aggregate folds the parts of a finer cut back into the unit they were cut from: its
+    # FLOPs are the parts' sum, and unknown when one part's count is not known
+    from vramcut_core.engine import EngineConfig
+    from vramcut_core.measure import UnitMeasurement
+    from vramcut_core.planner import UnitPlanner
+
+    model = seeded(Stack(fused=False))
+    planner = UnitPlanner(model, EngineConfig(budget_bytes=1 << 30, device="cpu"), unit_bytes=lambda n: 1)
+    parts = [p.name for p in planner.split("blocks.1", None)]
+    assert len(parts) >= 2
+    meas = {"embed": UnitMeasurement(10, 20, flops=5), "blocks.0": UnitMeasurement(10, 20, flops=7)}
+    meas.update({p: UnitMeasurement(10, 30 + k, flops=100 * (k + 1)) for k, p in enumerate(parts)})
+    out = planner.aggregate(meas)
+    assert list(out) == ["embed", "blocks.0", "blocks.1"]
+    assert out["blocks.1"].flops == sum(100 * (k + 1) for k in range(len(parts)))
+    assert (out["embed"].flops, out["blocks.0"].flops) == (5, 7)
+    meas[parts[-1]] = UnitMeasurement(10, 30, flops=None)
+    assert planner.aggregate(meas)["blocks.1"].flops is None

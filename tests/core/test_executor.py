@@ -30,8 +30,8 @@ def budget_for(model, *args, share=0.45):
     """A budget below the model's weights, with room for the window (two slots of the largest
     unit) and the activations a measured forward of ``args`` sees."""
     us = find_units(model)
-    biggest = max(u.weight_bytes for u in us.units if not u.pinned)
-    pinned = sum(u.weight_bytes for u in us.units if u.pinned)
+    biggest = max(u.weight_bytes for u in us.units if not u.keep_resident)
+    pinned = sum(u.weight_bytes for u in us.units if u.keep_resident)
     act = _probe_plan(model, *(args or (ids(),))).activation_reserve_bytes
     return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
 
@@ -316,8 +316,8 @@ def _merging_budget(model, *args):
     """With residency off: spare room for slots of a WINDOW_SHARE of it, each two units or more
     (unit bytes as the executor places them, each tensor aligned)."""
     p = _probe_plan(model, *args)
-    biggest = max(u.weight_bytes for u in p.units if not u.pinned)
-    return sum(u.weight_bytes for u in p.units if u.pinned) + p.activation_reserve_bytes + 9 * biggest
+    biggest = max(u.weight_bytes for u in p.units if not u.keep_resident)
+    return sum(u.weight_bytes for u in p.units if u.keep_resident) + p.activation_reserve_bytes + 9 * biggest
 
 
 def _grouped(plan):

@@ -1,6 +1,6 @@
 """File-backed weights (``EngineConfig(keep_file_backed=True)``: the host streams a memory-mapped
 checkpoint from a fast disk): the mapped tensors stay their own host masters (no flat host copy
-of the model), their bytes reach the device through a bounded page-locked window, and outputs
+of the model), their bytes reach the device through a bounded page-locked bounce buffer, and outputs
 equal the plain forward. The models are loaded from checkpoint files written in the test, mapped
 as the host maps them (``safetensors``, ``torch.load(mmap=True)``)."""
 from __future__ import annotations
@@ -36,9 +36,9 @@ def _fresh_ledger(monkeypatch):
     for m in list(hm._SHARED_MASTERS.values()):
         m.release()
     hm._SHARED_MASTERS.clear()
-    monkeypatch.setattr(hm, "_WINDOW", None)
-    monkeypatch.setattr(hm.PINNED, "bytes", 0)
-    monkeypatch.setattr(hm.PINNED, "cap", -1)
+    monkeypatch.setattr(hm, "_BOUNCE", None)
+    monkeypatch.setattr(hm.PAGE_LOCKED, "bytes", 0)
+    monkeypatch.setattr(hm.PAGE_LOCKED, "cap", -1)
 
 
 def _where(model):
@@ -83,7 +83,7 @@ def run_on_sim(sim, monkeypatch, model, build, args, forwards=3, **config):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch_mmap"])
-def test_mapped_weights_stay_masters_and_only_the_window_is_pinned(sim, monkeypatch, tmp_path, fmt):
+def test_mapped_weights_stay_masters_and_only_the_bounce_buffer_is_page_locked(sim, monkeypatch, tmp_path, fmt):
     with sim.host_memory():
         model = mapped(FluxLike, tmp_path, fmt)
     where = _where(model)
@@ -93,10 +93,10 @@ def test_mapped_weights_stay_masters_and_only_the_window_is_pinned(sim, monkeypa
     assert not eng.executor.masters.masters, "no flat host master was made"
     assert _where(model) == where, "the mapped tensors are still the masters"
     assert all(hm.file_backed(list(model.state_dict().values())))
-    window = hm._WINDOW()
-    assert window is not None and window.nbytes <= hm.WINDOW_PIECES * hm.WINDOW_PIECE
-    assert hm.PINNED.bytes == window.nbytes, "the page-locked bytes are the window's, nothing else"
-    assert all(b.data_ptr() in sim.registered for b in window.bufs)
+    bounce = hm._BOUNCE()
+    assert bounce is not None and bounce.nbytes <= hm.BOUNCE_PIECES * hm.BOUNCE_PIECE
+    assert hm.PAGE_LOCKED.bytes == bounce.nbytes, "the page-locked bytes are the bounce buffer's, nothing else"
+    assert all(b.data_ptr() in sim.registered for b in bounce.bufs)
     assert not sim.pageable_async
     assert all(torch.equal(o, ref) for o in outs)
 
@@ -107,7 +107,7 @@ def test_weights_in_ram_keep_their_flat_masters(sim, monkeypatch):
         model = seeded(TransformerStack())
     eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), forwards=1,
                                 keep_file_backed=True)
-    assert eng.executor.masters.masters and hm._WINDOW is None
+    assert eng.executor.masters.masters and hm._BOUNCE is None
     assert torch.equal(outs[0], ref)
 
 
@@ -121,40 +121,40 @@ def test_without_the_option_mapped_weights_are_copied_into_flat_masters(sim, mon
     assert torch.equal(outs[0], ref)
 
 
-def test_window_bytes_are_bounded_by_its_pieces(sim, monkeypatch, tmp_path):
-    """Units larger than a piece pass through it in many pieces; the window stays two pieces."""
-    monkeypatch.setattr(hm, "WINDOW_PIECE", 1024)
+def test_bounce_buffer_bytes_are_bounded_by_its_pieces(sim, monkeypatch, tmp_path):
+    """Units larger than a piece pass through it in many pieces; the bounce buffer stays two pieces."""
+    monkeypatch.setattr(hm, "BOUNCE_PIECE", 1024)
     with sim.host_memory():
         model = mapped(TransformerStack, tmp_path)
     eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), keep_file_backed=True)
-    window = hm._WINDOW()
-    biggest = max(eng.executor.layout(n).nbytes for n in eng.last_plan.streamed_order)
-    assert biggest > 4 * window.piece, "the scenario needs units of many pieces"
-    assert (window.piece, window.nbytes) == (1024, 2048) and hm.PINNED.bytes == 2048
+    bounce = hm._BOUNCE()
+    biggest = max(eng.executor.memory.layout(n).nbytes for n in eng.last_plan.streamed_order)
+    assert biggest > 4 * bounce.piece, "the scenario needs units of many pieces"
+    assert (bounce.piece, bounce.nbytes) == (1024, 2048) and hm.PAGE_LOCKED.bytes == 2048
     assert all(torch.equal(o, ref) for o in outs)
 
 
-def test_window_that_cannot_be_pinned_copies_synchronously(sim, monkeypatch, tmp_path):
+def test_a_bounce_buffer_that_cannot_be_page_locked_copies_synchronously(sim, monkeypatch, tmp_path):
     with sim.host_memory():
         model = mapped(TransformerStack, tmp_path)
-    monkeypatch.setattr(hm.PINNED, "allows", lambda n: False)  # no page-locked room at all
+    monkeypatch.setattr(hm.PAGE_LOCKED, "allows", lambda n: False)  # no page-locked room at all
     eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), forwards=2,
                                 keep_file_backed=True)
-    assert not eng.executor.masters.masters and hm._WINDOW is None and hm.PINNED.bytes == 0
+    assert not eng.executor.masters.masters and hm._BOUNCE is None and hm.PAGE_LOCKED.bytes == 0
     assert not sim.pageable_async, "pageable sources are copied synchronously, on purpose"
     assert all(torch.equal(o, ref) for o in outs)
 
 
-def test_sim_catches_window_refilled_before_its_copy(sim, monkeypatch, tmp_path):
-    """Without the wait in ``StagingWindow.take`` the host refills a piece the copy stream has not
+def test_sim_catches_bounce_piece_refilled_before_its_copy(sim, monkeypatch, tmp_path):
+    """Without the wait in ``BounceBuffer.take`` the host refills a piece the copy stream has not
     read yet: the simulator reports the write, and the device receives the wrong bytes."""
     def take_without_waiting(self):
         k = self._next
         self._next = (k + 1) % len(self.bufs)
         return self.bufs[k], k
 
-    monkeypatch.setattr(hm, "WINDOW_PIECE", 1024)
-    monkeypatch.setattr(hm.StagingWindow, "take", take_without_waiting)
+    monkeypatch.setattr(hm, "BOUNCE_PIECE", 1024)
+    monkeypatch.setattr(hm.BounceBuffer, "take", take_without_waiting)
     with sim.host_memory():
         model = mapped(TransformerStack, tmp_path)
     eng, outs, ref = run_on_sim(sim, monkeypatch, model, TransformerStack, (ids(),), forwards=1,

@@ -35,7 +35,7 @@ def test_readme_test_command_is_the_one_ci_runs():
     assert f"```\n{command[0]}\n```" in read("README.md")
 
 
-@pytest.mark.parametrize("page", ["full_size.md", "planner.md", "measurements.md"])
+@pytest.mark.parametrize("page", ["full_size.md", "planner.md", "measurements.md", "predicted.md"])
 def test_generated_pages_carry_the_stamp(page):
     stamps = [line for line in read("docs", page).splitlines() if line.startswith(docgen.STAMP)]
     assert stamps, f"docs/{page} has no stamp"

@@ -10,6 +10,7 @@ import pytest
 
 from test_cli import flux_like_entries, write_header_only
 from vramcut_core import BudgetError, PlanOptions, PlanUnit, make_plan
+from vramcut_core.plan import gib_text
 from vramcut_core.cli import main
 from vramcut_core.placement import parse_devices, place
 
@@ -25,7 +26,7 @@ def stack(n=10, w=100, act=True):
 
 
 def mixed():
-    return ([PlanUnit("prelude", 30 * MB, 5 * MB, 1 * MB, pinned=True)]
+    return ([PlanUnit("prelude", 30 * MB, 5 * MB, 1 * MB, keep_resident=True)]
             + [PlanUnit(f"double.{i}", 240 * MB, 20 * MB, 6 * MB) for i in range(4)]
             + [PlanUnit(f"single.{i}", 90 * MB, 12 * MB, 6 * MB) for i in range(8)]
             + [PlanUnit("final", 10 * MB, 3 * MB, 2 * MB, entered=False)])
@@ -88,6 +89,13 @@ def test_budgets_too_small_in_total_are_refused_with_budgets_that_work():
         place(units, devs)
     msg = str(e.value)
     assert "cuda:0=" in msg and "cuda:1=" in msg and e.value.min_budget_bytes > 150 * MB
+    # its own words: the budgets given, and per device and in all the smallest that work (GiB
+    # as max_vram_gb writes them); no unit named "devices"
+    (d0, b0), (d1, b1) = e.value.device_budgets
+    assert msg.startswith(f"VRAM budgets cuda:0={gib_text(100 * MB)}, cuda:1={gib_text(50 * MB)} (")
+    assert f"are cuda:0={gib_text(b0)}, cuda:1={gib_text(b1)} (" in msg and "GiB in all)" in msg
+    assert "unit 'devices'" not in msg and e.value.min_budget_bytes == b0 + b1
+    assert place(units, list(e.value.device_budgets))  # the suggestion places
     # the suggestion (same proportions, 2:1) fits
     total = e.value.min_budget_bytes
     p = place(units, [("cuda:0", total * 2 // 3 + 2), ("cuda:1", total // 3 + 2)])
@@ -143,3 +151,27 @@ def test_cli_devices_errors_are_one_line(tmp_path, capsys, args, words):
     rc = main(["plan", str(path), *args])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_equal_bytes_and_hops_are_broken_by_the_predicted_step():
+    # cutting after the second or the fourth unit streams the same bytes through one hop of the
+    # same bytes; the cut after the second unit predicts the shorter step (summed per device)
+    from vramcut_core import build_plan
+    from vramcut_core.timeline import predict
+
+    units = [PlanUnit(f"u{i}", (100 if i % 2 == 0 else 200) * MB, 8 * MB, 4 * MB,
+                      compute_s=0.001 if i % 2 == 0 else 0.020) for i in range(6)]
+    devs = [("cuda:0", 400 * MB), ("cuda:1", 500 * MB)]
+
+    def at(cut):
+        a, b = build_plan(units[:cut], devs[0][1]), build_plan(units[cut:], devs[1][1])
+        return (a.streamed_bytes_per_forward + b.streamed_bytes_per_forward,
+                predict(a, 1e10).step_s + predict(b, 1e10).step_s)
+
+    (bytes2, t2), (bytes4, t4) = at(2), at(4)
+    assert bytes2 == bytes4 and t2 < t4
+    by_order = place(units, devs)  # without a bandwidth: the most units on the first device
+    timed = place(units, devs, bytes_per_s=1e10)
+    assert (by_order.devices[0].stop, timed.devices[0].stop) == (4, 2)
+    assert timed.host_bytes_per_forward == by_order.host_bytes_per_forward
+    assert len(timed.hops) == len(by_order.hops) == 1

@@ -70,9 +70,9 @@ def test_tight_budget_drops_prefetch_with_a_warning():
     assert_well_formed(plan, units)
 
 
-def test_pinned_units_are_always_resident():
+def test_units_that_must_stay_resident_always_are():
     units = uniform()
-    units[1] = PlanUnit("blocks.0", 100 * MB, 20 * MB, 10 * MB, pinned=True)
+    units[1] = PlanUnit("blocks.0", 100 * MB, 20 * MB, 10 * MB, keep_resident=True)
     plan = build_plan(units, 350 * MB, PlanOptions(residency=False))
     assert plan.resident_units == ("blocks.0",)
 
@@ -117,8 +117,8 @@ def test_finer_cut_splits_the_unit_that_does_not_fit():
     assert_well_formed(plan, list(plan.units))
 
 
-def test_a_pinned_set_over_budget_says_it_must_stay_resident():
-    units = [PlanUnit("shared", 200 * MB, 0, 0, pinned=True), PlanUnit("b", 10 * MB, 0, 0)]
+def test_a_must_stay_resident_set_over_budget_says_so():
+    units = [PlanUnit("shared", 200 * MB, 0, 0, keep_resident=True), PlanUnit("b", 10 * MB, 0, 0)]
     with pytest.raises(BudgetError, match="must stay resident"):
         make_plan(units, 100 * MB)
 
@@ -146,7 +146,7 @@ def test_larger_budget_never_streams_more_bytes_nor_more_transfers_at_equal_byte
     bytes (bytes come first): a 100 MiB unit and four 10 MiB units stream 140 MiB in 2 transfers
     at 119 MiB (one slot, the four small units merged), 40 MiB in 4 transfers at 125 MiB (the large
     unit resident, slots of 10 MiB); see test_more_budget_can_mean_more_transfers_for_fewer_bytes."""
-    units = [PlanUnit(f"u{i}", w * MB, a * MB, a * MB // 2, pinned=(p and i == 0)) for i, (w, a, p) in enumerate(rows)]
+    units = [PlanUnit(f"u{i}", w * MB, a * MB, a * MB // 2, keep_resident=(p and i == 0)) for i, (w, a, p) in enumerate(rows)]
     opts = PlanOptions(prefetch=prefetch, residency=residency)
     prev = None
     for budget in range(10 * MB, sum(u.weight_bytes for u in units) + 200 * MB, 23 * MB):

@@ -151,7 +151,7 @@ def test_flattened_subclass_weights_are_accounted_exactly_and_fit_the_budget():
         eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", track_cpu_memory=True))
         for u in eng.unitset.units:
             if u.name.startswith("blocks."):
-                lay = eng.executor.layout(u.name)
+                lay = eng.executor.memory.layout(u.name)
                 assert lay.other == [] and list(lay.quant) == [0]
                 assert eng.executor.unit_device_bytes(u.name) == unit_bytes
         with eng.session():

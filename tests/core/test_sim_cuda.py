@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from sim_cuda import ROUND, PendingCudaError, simulated_cuda
 from test_executor import cases, ids
 from toys import Boom, ExplodingStack, FluxLike, TransformerStack, seeded
-from vramcut_core import Engine, EngineConfig, find_units
+from vramcut_core import Engine, EngineConfig, HostHooks, find_units
 from vramcut_core.runtime import device_memory, host_memory, transfers
 
 
@@ -48,8 +48,8 @@ def assert_restored(model, snap, sim):
 def budget_for(model, *args, share=0.45, streams=None):
     """As tests/core/test_executor.py's, with the activations the simulated allocator measures."""
     us = find_units(model)
-    biggest = max(u.weight_bytes for u in us.units if not u.pinned)
-    pinned = sum(u.weight_bytes for u in us.units if u.pinned)
+    biggest = max(u.weight_bytes for u in us.units if not u.keep_resident)
+    pinned = sum(u.weight_bytes for u in us.units if u.keep_resident)
     act = probe_plan(model, *(args or (ids(),)), streams=streams).activation_reserve_bytes
     return max(int(us.weight_bytes * share) + act, pinned + 2 * biggest + biggest // 2 + act)
 
@@ -57,8 +57,7 @@ def budget_for(model, *args, share=0.45, streams=None):
 def probe_plan(model, *args, streams=None):
     """The measured plan of one forward of ``args`` on the simulated device, everything fitting
     (its buffers given back)."""
-    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cuda"))
-    probe.order_streams(streams)
+    probe = Engine(model, EngineConfig(budget_bytes=1 << 40, device="cuda"), host=HostHooks(reader_streams=streams))
     with torch.no_grad():
         probe.run(model, *args)
     probe.release()
@@ -148,8 +147,8 @@ def test_sim_catches_pending_register_error(sim, monkeypatch):
 
 
 def test_pinned_bytes_are_capped_and_registration_is_portable(sim, monkeypatch):
-    monkeypatch.setattr(host_memory.PINNED, "cap", 20_000)
-    monkeypatch.setattr(host_memory.PINNED, "bytes", 0)
+    monkeypatch.setattr(host_memory.PAGE_LOCKED, "cap", 20_000)
+    monkeypatch.setattr(host_memory.PAGE_LOCKED, "bytes", 0)
     with sim.host_memory(), torch.no_grad():
         model = seeded(TransformerStack())
         x = ids()
@@ -159,12 +158,12 @@ def test_pinned_bytes_are_capped_and_registration_is_portable(sim, monkeypatch):
         with eng.session():
             outs = [eng.run(model, x) for _ in range(2)]
         assert 0 < sum(size for size, _ in sim.registered.values()) <= 20_000
-        assert host_memory.PINNED.bytes <= 20_000
+        assert host_memory.PAGE_LOCKED.bytes <= 20_000
         assert all(flags & 1 for _, _, flags in sim.register_calls), "cudaHostRegisterPortable"
     assert all(torch.equal(o, ref) for o in outs)
     del eng
     gc.collect()
-    assert not sim.registered and host_memory.PINNED.bytes == 0
+    assert not sim.registered and host_memory.PAGE_LOCKED.bytes == 0
 
 
 def test_pageable_masters_copy_through_a_staging_buffer(sim):
@@ -262,7 +261,7 @@ class HostCasts:
         return w, b
 
     def reader_streams(self):
-        """What the adapter hands the engine (nodes/streams.py): the host's streams, made first."""
+        """What the adapter hands the engine (nodes/gpu.py): the host's streams, made first."""
         if self.streams is None:
             self.get_offload_stream()
         return list(self.streams)
@@ -291,9 +290,8 @@ def _cast_run(sim, behaviour, ordered):
         # the host's casts allocate on its streams: room for them beside the window
         budget = budget_for(model, x, streams=host.reader_streams if ordered else None) + 4096
         host.casts_on_streams = 0
-        eng = cuda_engine(model, budget)
-        if ordered:
-            eng.order_streams(host.reader_streams)
+        eng = Engine(model, EngineConfig(budget_bytes=budget, device="cuda"),
+                     host=HostHooks(reader_streams=host.reader_streams if ordered else None))
         with eng.session():
             outs = [eng.run(model, x) for _ in range(3)]
     return host, outs, expect
@@ -535,16 +533,14 @@ def test_masters_built_in_inference_mode_are_not_inference_tensors(sim):
     assert out.requires_grad, "training after sampling still works"
 
 
-def test_activation_need_and_held_bytes(sim):
+def test_held_bytes(sim):
     with sim.host_memory():
         model = seeded(TransformerStack())
         x = ids()
     with torch.no_grad():
         eng = cuda_engine(model, budget_for(model, x))
-        assert eng.activation_need((x,)) is None
         with eng.session():
             eng.run(model, x)
-            assert eng.activation_need((x,)) == eng.last_plan.activation_reserve_bytes > 0
             eng.run(model, x)
             assert eng.held_bytes == eng.executor.device_bytes > 0
         assert eng.held_bytes == 0
@@ -686,8 +682,8 @@ def test_a_streamed_unit_with_no_plain_tensors_has_no_host_master(sim):
 def merging_budget(model, *args):
     """Residency off, and spare room for slots of two units or more (see plan.WINDOW_SHARE)."""
     p = probe_plan(model, *args)
-    biggest = max(u.weight_bytes for u in p.units if not u.pinned)
-    return sum(u.weight_bytes for u in p.units if u.pinned) + p.activation_reserve_bytes + 9 * biggest
+    biggest = max(u.weight_bytes for u in p.units if not u.keep_resident)
+    return sum(u.weight_bytes for u in p.units if u.keep_resident) + p.activation_reserve_bytes + 9 * biggest
 
 
 @pytest.mark.parametrize("name,build,inputs", cases(), ids=[c[0] for c in cases()])

@@ -29,9 +29,9 @@ def test_staging_buffers_are_counted_as_page_locked(sim, monkeypatch):
         for m in list(ex._SHARED_MASTERS.values()):
             m.release()
         ex._SHARED_MASTERS.clear()
-        monkeypatch.setattr(ex.PINNED, "bytes", 0)      # the ledger is the process's: start it here
-        monkeypatch.setattr(ex.PINNED, "staging", 0)
-        monkeypatch.setattr(ex.PINNED, "_in_flight", [])
+        monkeypatch.setattr(ex.PAGE_LOCKED, "bytes", 0)      # the ledger is the process's: start it here
+        monkeypatch.setattr(ex.PAGE_LOCKED, "staging", 0)
+        monkeypatch.setattr(ex.PAGE_LOCKED, "_in_flight", [])
         sim.register_error = lambda ptr, size: 2
         sim.pinned_peak = 0
         eng = cuda_engine(model, budget)
@@ -39,8 +39,8 @@ def test_staging_buffers_are_counted_as_page_locked(sim, monkeypatch):
             outs = [eng.run(model, x) for _ in range(3)]
     assert all(torch.equal(o, ref) for o in outs)
     assert sim.pinned_peak > 0, "the scenario needs staging"
-    assert ex.PINNED.bytes >= sim.pinned_peak, \
-        f"{sim.pinned_peak} B of page-locked staging, {ex.PINNED.bytes} B reported"
+    assert ex.PAGE_LOCKED.bytes >= sim.pinned_peak, \
+        f"{sim.pinned_peak} B of page-locked staging, {ex.PAGE_LOCKED.bytes} B reported"
 
 
 @pytest.mark.parametrize("pin", [False, True], ids=["pin_memory_off", "pin_memory_on"])

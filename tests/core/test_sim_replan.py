@@ -98,7 +98,7 @@ def test_plan_figures_are_the_allocators_rounded_figures(sim):
             plan = eng.last_plan
             assert plan.slots and plan.resident_units, "the scenario streams and keeps some resident"
             assert eng.executor.device_bytes == plan.resident_bytes + plan.window_bytes
-            lays = {n: eng.executor.layout(n).nbytes for n in [u.name for u in plan.units]}
+            lays = {n: eng.executor.memory.layout(n).nbytes for n in [u.name for u in plan.units]}
             assert any(n % 512 for n in lays.values())
             assert all(u.weight_bytes == alloc_size(lays[u.name]) for u in plan.units)
         assert gc_before - sim.alloc.allocated == plan.resident_bytes + plan.window_bytes, \

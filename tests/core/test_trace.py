@@ -149,6 +149,40 @@ def test_traced_figures_bound_the_measured_ones_unit_by_unit(name):
     assert_unchanged(model, snap)
 
 
+class ReenteredStack(nn.Module):
+    """Enters its blocks again after others ran (0, 1, 0, 2, 1, 3, 2), each time with more live
+    bytes (every output is kept), so a unit's calls and its largest entry are what the recorder
+    must keep."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x):
+        outs = [x]
+        for i in (0, 1, 0, 2, 1, 3, 2):
+            outs.append(self.blocks[i](outs[-1]))
+        return torch.stack(outs).sum(0)
+
+
+@pytest.mark.parametrize("name", ["reentered", "looped"])
+def test_the_dry_run_and_the_measuring_forward_record_the_same_figures(name):
+    """One recorder of a unit's entry serves both: on CPU, where the dry run counts what the
+    meter counts, a model that enters its units again gives the same figures either way."""
+    if name == "reentered":
+        model = seeded(ReenteredStack())
+        fn, args = model, (torch.randn(4, 16, generator=_g()),)
+    else:
+        model, fn, args = _case(name)
+    eng, meas = _measured(model, fn, args)
+    with torch.no_grad():
+        tr = trace_units(model, eng.unitset.units, fn, args)
+    assert tr.source == TRACED, tr.reason
+    assert any(m.calls > 1 for m in meas.values()), "the scenario needs units entered again"
+    figures = lambda ms: {n: (m.entry_bytes, m.peak_bytes, m.calls, m.modules) for n, m in ms.items()}  # noqa: E731
+    assert list(tr.measurements) == list(meas) and figures(tr.measurements) == figures(meas)
+
+
 def test_a_peak_inside_one_module_is_seen():
     """The attention's scores and the GELU's intermediate live and die inside one module call:
     a check at module boundaries would miss them; the traced peak holds them."""
@@ -335,7 +369,7 @@ def test_a_preview_that_cannot_trace_says_why_and_leaves_nothing():
 def _random_units(rng):
     n = rng.randint(1, 9)
     return [PlanUnit(f"u{i}", rng.randint(1, 5000), rng.randint(0, 8000), 0,
-                     pinned=rng.random() < 0.1, entered=rng.random() > 0.1, calls=rng.choice([1, 1, 1, 3]))
+                     keep_resident=rng.random() < 0.1, entered=rng.random() > 0.1, calls=rng.choice([1, 1, 1, 3]))
             for i in range(n)]
 
 

@@ -156,7 +156,7 @@ def test_tied_weights_and_container_parameters_go_to_shared():
     m = TiedStack()
     us = find_units(m)
     shared = us.by_name["shared"]
-    assert shared.pinned
+    assert shared.keep_resident
     assert any(t.tensor is m.embed.weight for t in shared.tensors)
     assert len([r for t in shared.tensors for r in t.refs if t.tensor is m.embed.weight]) == 2
     assert_partition(m, us)
@@ -192,14 +192,14 @@ def test_mixed_dtype_and_subclass_bytes():
     assert uq.weight_bytes == sum(tensor_nbytes(p) for p in q.parameters())
 
 
-def test_split_unit_into_children_with_pinned_self():
+def test_split_unit_into_children_with_a_self_kept_resident():
     m = FluxLike()
     blk = m.double_blocks[0]
     blk.gate = nn.Parameter(torch.ones(3))  # read by the block's own forward
     us = find_units(m)
     parts = split_unit(us.by_name["double_blocks.0"])
     names = [p.name for p in parts]
-    assert names[0] == "double_blocks.0.self" and parts[0].pinned
+    assert names[0] == "double_blocks.0.self" and parts[0].keep_resident
     assert {"double_blocks.0.norm", "double_blocks.0.fc1", "double_blocks.0.fc2"} <= set(names)
     assert sum(p.weight_bytes for p in parts) == us.by_name["double_blocks.0"].weight_bytes
     assert split_unit(split_unit(us.by_name["double_blocks.0"])[1]) is None  # a LayerNorm: a leaf

@@ -307,3 +307,106 @@ def assert_unchanged(m: nn.Module, snap: dict) -> None:
         assert now[n].data_ptr() == ptr, f"{n}: points at other memory (a device copy left swapped in?)"
         assert torch.equal(now[n].detach().view(torch.uint8) if now[n].dtype.itemsize == 1 else now[n].detach(),
                            vals.view(torch.uint8) if vals.dtype.itemsize == 1 else vals), f"{n}: values changed"
+
+
+class JointBlock(nn.Module):
+    """An MMDiT double block: image and text streams, modulated by ``vec``, attending jointly."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mod = nn.Linear(d, 2 * d)
+        self.img = MLPBlock(d)
+        self.txt = MLPBlock(d)
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, img, txt, vec, pe):
+        scale, shift = self.mod(vec)[:, None].chunk(2, dim=-1)
+        x = torch.cat([txt, img], dim=1) * (1 + scale) + shift + pe
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        n = txt.shape[1]
+        return self.img(x[:, n:]), self.txt(x[:, :n])
+
+
+class SingleBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mod = nn.Linear(d, d)
+        self.mlp = MLPBlock(d)
+
+    def forward(self, x, vec, pe):
+        return self.mlp(x + self.mod(vec)[:, None] + pe)
+
+
+class MMDiTLike(nn.Module):
+    """Flux/MMDiT's shape: a prelude computing ``vec`` and ``pe`` read by every block (passed as
+    keyword arguments), double blocks over two streams, the streams joined outside any block,
+    single blocks, and a final layer that reads ``vec`` again."""
+
+    def __init__(self, d: int = 32, n_double: int = 3, n_single: int = 4) -> None:
+        super().__init__()
+        self.img_in = nn.Linear(16, d)
+        self.txt_in = nn.Linear(12, d)
+        self.time_in = nn.Sequential(nn.Linear(1, d), nn.SiLU(), nn.Linear(d, d))
+        self.pe_in = nn.Linear(2, d)
+        self.double_blocks = nn.ModuleList(JointBlock(d) for _ in range(n_double))
+        self.single_blocks = nn.ModuleList(SingleBlock(d) for _ in range(n_single))
+        self.final_mod = nn.Linear(d, d)
+        self.final_layer = nn.Linear(d, 16)
+
+    def forward(self, x, context, t, pos):
+        img, txt = self.img_in(x), self.txt_in(context)
+        vec = self.time_in(t[:, None])
+        pe = self.pe_in(pos)
+        for b in self.double_blocks:
+            img, txt = b(img, txt, vec=vec, pe=pe)
+        h = torch.cat([txt, img], dim=1)
+        for b in self.single_blocks:
+            h = b(h, vec=vec, pe=pe)
+        h = h[:, txt.shape[1]:]
+        return self.final_layer(h * (1 + self.final_mod(vec)[:, None]))
+
+
+class VideoBlock(nn.Module):
+    """A Wan-like block: self-attention over the video tokens, cross-attention to the text
+    context, an MLP, modulated by the time embedding ``e``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mod = nn.Linear(d, 2 * d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * d)
+        self.ffn = MLPBlock(d)
+
+    def forward(self, x, e, context):
+        scale, shift = self.mod(e)[:, None].chunk(2, dim=-1)
+        h = x * (1 + scale) + shift
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        k, v = self.kv(context).chunk(2, dim=-1)
+        x = x + torch.nn.functional.scaled_dot_product_attention(self.q(x), k, v)
+        return self.ffn(x)
+
+
+class VideoDiTLike(nn.Module):
+    """Wan's shape: a 3-D patch embedding of (B, C, F, H, W) latents, a text embedding, one list
+    of blocks, a head that unpatchifies."""
+
+    def __init__(self, d: int = 32, depth: int = 6, c: int = 4) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv3d(c, d, (1, 2, 2), stride=(1, 2, 2))
+        self.text_embedding = nn.Sequential(nn.Linear(12, d), nn.GELU(), nn.Linear(d, d))
+        self.time_embedding = nn.Sequential(nn.Linear(1, d), nn.SiLU(), nn.Linear(d, d))
+        self.blocks = nn.ModuleList(VideoBlock(d) for _ in range(depth))
+        self.head = nn.Linear(d, c * 4)
+
+    def forward(self, x, t, context):
+        b, c, f, hh, ww = x.shape
+        h = self.patch_embedding(x).flatten(2).transpose(1, 2)
+        e = self.time_embedding(t[:, None])
+        ctx = self.text_embedding(context)
+        for blk in self.blocks:
+            h = blk(h, e=e, context=ctx)
+        out = self.head(h).view(b, f, hh // 2, ww // 2, c, 2, 2)
+        return out.permute(0, 4, 1, 2, 5, 3, 6).reshape(b, c, f, hh, ww)

@@ -6,7 +6,8 @@ uses to point the module back at its masters. Plain tensors swap ``.data``; subc
 replaced at every reference; quantized tensors are rebuilt around their device parts (the layer
 sees a new object of the same type, its metadata intact). The one rule: after a forward, an
 error, an interrupt or the executor's collection, the module holds the same Parameter objects,
-pointing at their masters. May call torch, ``quant`` and ``layout`` only.
+pointing at their masters. May call torch, ``quant``, ``tensors``, ``units``, ``layout`` and
+``device_memory``'s ``DeviceCopy``.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Owns resident buffers (one flat buffer per resident unit), streaming slots (buff
 slot size, a streamed segment's units back to back in one), the subclass tensors moved beside
 them, the units' layouts, and the count of every byte it allocates (``bytes``, ``peak``). The one
 rule: nothing is allocated on the device but through ``alloc`` (counted), and nothing is freed
-that a copy may still write: callers order the copy stream first (``transfers``). May call torch
-and ``layout`` only.
+that a copy may still write: callers order the copy stream first (``transfers``). May call torch,
+``layout``, ``units`` and ``measure``'s ``OverBudget``.
 """
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ class Slot:
 class DeviceMemory:
     """The device buffers of one executor, and their accounting."""
 
-    def __init__(self, units: Callable[[str], Unit], device: torch.device) -> None:
+    def __init__(self, units: Callable[[str], Unit], device: torch.device,
+                 alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self._unit = units
         self.device = device
         self.cuda = device.type == "cuda"
@@ -85,9 +86,9 @@ class DeviceMemory:
         self.bytes = 0
         self.peak = 0
         # Entered around every allocation: the meter's pause (its own buffers are not
-        # activations) and the host's allocation context (set by the executor).
+        # activations) and the host's allocation context (``HostHooks.alloc_context``).
         self.pause: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        self.alloc_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.alloc_context = alloc_context
         self.on_grow: Callable[[], None] | None = None  # a measuring forward's limit check
 
     def layout(self, name: str) -> Layout:

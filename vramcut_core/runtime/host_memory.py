@@ -1,5 +1,5 @@
 """Host memory: the flat host masters of streamed units, their page-locking and its ledger, the
-staging copy of a master that could not be page-locked, and the staging window of file-backed
+staging copy of a master that could not be page-locked, and the bounce buffer of file-backed
 weights.
 
 Owns and frees host memory, nothing on the device. A master is owned for the process: shared by
@@ -8,9 +8,9 @@ of RAM, portable to every GPU) and unpinned by its own finalizer once the copies
 finished. Weights that live in a file mapping (a memory-mapped checkpoint) are their own masters
 where the engine is told to keep them so (``keep_file_backed``: the host streams from a fast
 disk): no flat copy is made, and their bytes reach the device through a small page-locked
-window (``WINDOW_PIECES`` pieces of ``WINDOW_PIECE`` bytes, reused). The one rule: host memory
+bounce buffer (``BOUNCE_PIECES`` pieces of ``BOUNCE_PIECE`` bytes, reused). The one rule: host memory
 is never unregistered (or written) while a copy may read it. A failed registration's pending
-CUDA error is cleared where it happens. May call torch only.
+CUDA error is cleared where it happens. May call torch, ``quant``, ``units`` and ``layout``.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from .layout import Layout, quant_views, view
 _HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every GPU, not only the current one
 PIN_FRACTION = 0.45           # at most this share of physical RAM is page-locked by the pack
                               # (Windows refuses past about half of RAM; the host pins too)
-WINDOW_PIECE = 64 << 20       # bytes of one piece of the staging window of file-backed weights
-WINDOW_PIECES = 2             # the host fills one piece while the copy of the other runs
+BOUNCE_PIECE = 64 << 20       # bytes of one piece of the bounce buffer of file-backed weights
+BOUNCE_PIECES = 2             # the host fills one piece while the copy of the other runs
 
 
 def _host_buffer(nbytes: int) -> torch.Tensor:
@@ -47,9 +47,10 @@ def _physical_ram() -> int | None:
             return None
 
 
-class _PinLedger:
-    """Bytes the pack has page-locked in this process, against a cap; ``room`` (set by a host
-    that pins memory itself) says how many more bytes its own limit leaves for the pack."""
+class _PageLockLedger:
+    """Bytes the pack has page-locked in this process, against a cap; ``room`` (a host's
+    ``HostHooks.page_lock_room``, where the host page-locks memory itself) gives the bytes the
+    host's own limit leaves for everything the pack page-locks."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -86,10 +87,10 @@ class _PinLedger:
         cap = self.limit()
         if cap is not None and self.bytes + n > cap:
             return False
-        return self.room is None or n <= self.room()
+        return self.room is None or self.bytes + n <= self.room()
 
 
-PINNED = _PinLedger()
+PAGE_LOCKED = _PageLockLedger()
 
 
 def _clear_cuda_error(place: torch.device) -> None:
@@ -105,7 +106,7 @@ def _clear_cuda_error(place: torch.device) -> None:
 def _register(buf: torch.Tensor, readers: dict, place: torch.device, owner) -> bool:
     """Page-lock ``buf`` within the ledger; ``owner``'s finalizer unregisters it after the copies
     in ``readers``. False (nothing pinned, the pending error cleared) where it cannot be."""
-    if not buf.numel() or not PINNED.allows(buf.numel()):
+    if not buf.numel() or not PAGE_LOCKED.allows(buf.numel()):
         return False
     try:
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), _HOST_REGISTER_PORTABLE)
@@ -115,7 +116,7 @@ def _register(buf: torch.Tensor, readers: dict, place: torch.device, owner) -> b
     if not ok:
         _clear_cuda_error(place)
         return False
-    PINNED.bytes += buf.numel()
+    PAGE_LOCKED.bytes += buf.numel()
     owner._fin = weakref.finalize(owner, _unpin, buf, readers, place)
     return True
 
@@ -132,7 +133,7 @@ def _unpin(buf: torch.Tensor, readers: dict, place: torch.device) -> None:
             _clear_cuda_error(place)
     except Exception:
         _clear_cuda_error(place)
-    PINNED.bytes -= buf.numel()
+    PAGE_LOCKED.bytes -= buf.numel()
 
 
 def host_alloc_size(n: int) -> int:
@@ -144,7 +145,7 @@ def staged(buf: torch.Tensor, place: torch.device) -> tuple[torch.Tensor, bool]:
     """A page-locked copy of a pageable master from torch's host allocator (reused after the copy
     that reads it has finished), so the device copy stays asynchronous; the master itself where
     that fails or the page-locked room is spent (then copied synchronously, on purpose)."""
-    if not PINNED.staging_room(buf.numel()):
+    if not PAGE_LOCKED.staging_room(buf.numel()):
         return buf, False
     try:
         return buf.pin_memory(), True
@@ -200,7 +201,7 @@ def file_backed(tensors: list[torch.Tensor]) -> list[bool]:
     return out
 
 
-class StagingWindow:
+class BounceBuffer:
     """Page-locked pieces the bytes of file-backed weights pass through on their way to the
     device: the host fills a piece from the mapping, a copy stream moves it, and the piece is
     filled again only after that copy has finished (``take`` waits). Shared by the process's
@@ -210,8 +211,8 @@ class StagingWindow:
     def __init__(self, piece: int, pieces: int, place: torch.device) -> None:
         self.piece = piece
         self.bufs = [_host_buffer(piece) for _ in range(pieces)]
-        self._pieces = [_WindowPiece(b, place) for b in self.bufs]
-        self.pinned = all(p.pinned for p in self._pieces)
+        self._pieces = [_BouncePiece(b, place) for b in self.bufs]
+        self.page_locked = all(p.page_locked for p in self._pieces)
         self.nbytes = piece * pieces
         self._next = 0
 
@@ -221,7 +222,7 @@ class StagingWindow:
         self._next = (k + 1) % len(self.bufs)
         readers = self._pieces[k].readers
         for ev in list(readers.values()):
-            ev.synchronize()  # hazard: the host refilling a window piece a copy still reads
+            ev.synchronize()  # hazard: the host refilling a bounce piece a copy still reads
         readers.clear()
         return self.bufs[k], k
 
@@ -229,28 +230,28 @@ class StagingWindow:
         self._pieces[k].readers[id(stream)] = done
 
 
-class _WindowPiece:
+class _BouncePiece:
     def __init__(self, buf: torch.Tensor, place: torch.device) -> None:
         self.readers: dict[int, object] = {}
         self._fin = None
-        self.pinned = _register(buf, self.readers, place, self)
+        self.page_locked = _register(buf, self.readers, place, self)
 
 
-_WINDOW: "weakref.ref[StagingWindow] | None" = None
+_BOUNCE: "weakref.ref[BounceBuffer] | None" = None
 
 
-def staging_window(nbytes: int, place: torch.device) -> StagingWindow | None:
-    """The process's staging window, with pieces of at least ``min(nbytes, WINDOW_PIECE)``
-    bytes (a window of smaller pieces is replaced: its own finalizer unpins it after its
+def bounce_buffer(nbytes: int, place: torch.device) -> BounceBuffer | None:
+    """The process's bounce buffer, with pieces of at least ``min(nbytes, BOUNCE_PIECE)``
+    bytes (one of smaller pieces is replaced: its own finalizer unpins it after its
     copies); None where it cannot be page-locked (the copy is then synchronous, on purpose)."""
-    global _WINDOW
-    want = min(WINDOW_PIECE, max(nbytes, 1))
-    w = _WINDOW() if _WINDOW is not None else None
+    global _BOUNCE
+    want = min(BOUNCE_PIECE, max(nbytes, 1))
+    w = _BOUNCE() if _BOUNCE is not None else None
     if w is None or w.piece < want:
-        w = StagingWindow(want, WINDOW_PIECES, place)
-        if not w.pinned:
+        w = BounceBuffer(want, BOUNCE_PIECES, place)
+        if not w.page_locked:
             return None  # dropped: what was pinned is unpinned by the pieces' finalizers
-        _WINDOW = weakref.ref(w)
+        _BOUNCE = weakref.ref(w)
     return w
 
 
@@ -283,7 +284,7 @@ class _HostMaster:
                 quant.rehome_(t, quant_views(self.buf, t, spans))
         self.readers: dict[int, object] = {}   # copy stream id -> event of its last copy from here
         self._fin = None
-        self.pinned = _register(self.buf, self.readers, place if place is not None else torch.device("cuda"), self)
+        self.page_locked = _register(self.buf, self.readers, place if place is not None else torch.device("cuda"), self)
 
     def backs(self, unit: Unit, layout: Layout) -> bool:
         """Do the unit's tensors still live in this buffer?"""
@@ -299,7 +300,7 @@ class _HostMaster:
         """Unpin (after the copies reading it); the tensors keep living in the pageable buffer."""
         if self._fin is not None:
             self._fin()
-        self.pinned = False
+        self.page_locked = False
 
 
 def masters_holding(unit: Unit) -> list:
@@ -307,7 +308,7 @@ def masters_holding(unit: Unit) -> list:
     part of a unit cut finer still lives in the whole unit's master): a copy from them must be
     waited for before they are unpinned."""
     spans = [(m.buf.data_ptr(), m.buf.data_ptr() + m.buf.numel(), m)
-             for m in list(_SHARED_MASTERS.values()) if m.pinned]
+             for m in list(_SHARED_MASTERS.values()) if m.page_locked]
     out = []
     for ut in unit.tensors:
         try:
@@ -331,12 +332,12 @@ class HostMasters:
         self.keep_file_backed = keep_file_backed
         self.masters: dict[str, _HostMaster] = {}
         self._from_file: dict[str, tuple[tuple, bool]] = {}  # unit -> (its tensors' addresses, answer)
-        self._window: StagingWindow | None = None
+        self._bounce: BounceBuffer | None = None
 
     def get(self, name: str) -> _HostMaster | None:
         """The flat host master of a streamed unit (CUDA only). None means: copy tensor by tensor
         from where they are (CPU; tensors the host has already page-locked itself), or through
-        the staging window (``window``: file-backed tensors kept as their own masters)."""
+        the bounce buffer (``bounce``: file-backed tensors kept as their own masters)."""
         if not self.pin or self.from_file(name):
             return None
         unit, lay = self._unit(name), self._layout(name)
@@ -359,7 +360,7 @@ class HostMasters:
     def from_file(self, name: str) -> bool:
         """Whether unit ``name`` streams from the file mapping its tensors live in (with
         ``keep_file_backed``: a unit with any file-backed tensor; the others are in RAM already
-        and pass through the window with it)."""
+        and pass through the bounce buffer with it)."""
         if not self.keep_file_backed:
             return False
         unit, lay = self._unit(name), self._layout(name)
@@ -371,14 +372,14 @@ class HostMasters:
             known = self._from_file[name] = (where, any(file_backed(tensors)))
         return known[1]
 
-    def window(self, name: str) -> StagingWindow | None:
-        """The page-locked window a file-backed unit is copied through (CUDA, pinning on); None
+    def bounce(self, name: str) -> BounceBuffer | None:
+        """The page-locked bounce buffer a file-backed unit is copied through (CUDA, pinning on); None
         means: copy tensor by tensor from where they are."""
         lay = self._layout(name)
         if not self.pin or not lay.nbytes or not self.from_file(name):
             return None
-        w = staging_window(lay.nbytes, self._place)
-        self._window = w  # held while this executor streams: the process keeps one window
+        w = bounce_buffer(lay.nbytes, self._place)
+        self._bounce = w  # held while this executor streams: the process keeps one
         return w
 
     def forget(self) -> None:

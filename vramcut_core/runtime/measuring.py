@@ -1,19 +1,22 @@
-"""One forward's measurement: the meter, a window per unit, the live limit, the forward's peak.
+"""One forward's measurement: the meter, the unit entries, the live limit, the forward's peak,
+and each unit's compute time (``UnitClock``).
 
-Owns the per-forward measurement state only (the meters themselves live in
-``vramcut_core.measure``): which units were entered in which order, the activation bytes at
-each unit's entry and its peak, which of a unit's modules ran, and, for a measuring forward
-with a limit, the check that stops it before weights plus activations pass the limit. The one
-rule: the executor's own buffers are never counted as activations. May call ``measure`` and
-read ``device_memory``'s byte counts.
+Owns the per-forward measurement state only (the meters and the ``UnitRecorder`` that the dry
+run shares live in ``vramcut_core.measure``): the meter's readings at each unit's entry and
+exit, handed to the recorder, and, for a measuring forward with a limit, the check that stops it
+before weights plus activations pass the limit; on CUDA the allocator cap and the forward's
+device peak. The one rule: the executor's own buffers are never counted as activations. May
+call torch and ``measure``, and read ``device_memory``'s byte counts and its ``empty_cache``.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
 from torch import nn
 
-from ..measure import CPUMeter, CUDAMeter, Meter, OverBudget, UnitMeasurement
+from ..measure import CPUMeter, CUDAMeter, Meter, OverBudget, UnitMeasurement, UnitRecorder
 from .device_memory import DeviceMemory
 
 
@@ -23,9 +26,9 @@ class Measuring:
     def __init__(self, device: torch.device, memory: DeviceMemory, units) -> None:
         self.device, self.cuda, self.memory, self._unit = device, device.type == "cuda", memory, units
         self.meter: Meter | None = None
-        self.meas: dict[str, UnitMeasurement] | None = None
-        self.order: list[str] = []
-        self.entered: set[int] = set()
+        self.recorder: UnitRecorder | None = None   # a measured forward's (with its meter)
+        self.clock: UnitClock | None = None         # its unit times (with its recorder)
+        self.done_clock: UnitClock | None = None    # the last measured forward's, once it finished
         self.limit: int | None = None      # measuring forward: stop before passing this many bytes
         self.act_seen = self.cuda_peak = self.input_bytes = 0
         self.base = self.base_reserved = 0  # device bytes not ours at forward start
@@ -40,9 +43,18 @@ class Measuring:
             m = CPUMeter(check=check if self.limit is not None else None)
             self.memory.pause = m.paused  # the executor's own copies and buffers are not activations
         self.meter = m
-        self.meas = {} if m is not None else None
-        self.order = []
-        self.entered = set()
+        self.recorder = UnitRecorder() if m is not None else None
+        self.clock = UnitClock(self.device) if m is not None else None
+
+    @property
+    def meas(self) -> dict[str, UnitMeasurement] | None:
+        """This forward's figures by unit so far (None: nothing is measured)."""
+        return None if self.recorder is None else self.recorder.meas
+
+    @property
+    def order(self) -> list[str]:
+        """Units in the order this forward first entered them."""
+        return [] if self.recorder is None else list(self.recorder.meas)
 
     def _own_bytes_relative(self) -> int:
         return self.memory.bytes + self.base
@@ -60,44 +72,35 @@ class Measuring:
             raise OverBudget("activations", current, self.memory.peak, self.act_seen, self.limit)
 
     def switch(self, prev: str | None, name: str, module) -> bool:
-        """A unit's module is entered: False when it is the unit running already; else the
-        window of ``prev`` closes and ``name``'s opens."""
-        if self.meas is not None and module is not None:
-            self.entered.add(id(module))  # which parts of a unit ran (for finer cuts)
+        """A unit's module is entered: False when it is the unit running already (``prev``);
+        else, when measuring, ``prev`` is left and ``name`` entered in the recorder."""
+        rec = self.recorder
+        if rec is not None and module is not None:
+            rec.saw(module)
         if name == prev:
             return False
-        if self.meter is not None:
-            self.close_window(prev)
-            self.open_window(name)
+        if rec is not None:
+            self.clock.stop()  # before the next unit's copy is waited for
+            rec.leave(self.meter.peak() + self.input_bytes)
+            rec.enter(name, self.meter.live() + self.input_bytes)
+            if self.cuda:  # the meter resets the allocator's peak per unit: keep the forward's
+                self.cuda_peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device))
+            self.meter.reset_peak()
         return True
 
-    def open_window(self, name: str) -> None:
-        live = self.meter.live() + self.input_bytes
-        m = self.meas.get(name)
-        if m is None:
-            self.meas[name] = UnitMeasurement(live, live)
-            self.order.append(name)
-        else:
-            m.calls += 1
-            m.entry_bytes = max(m.entry_bytes, live)
-        if self.cuda:  # the meter resets the allocator's peak per unit: keep the forward's
-            self.cuda_peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device))
-        self.meter.reset_peak()
+    def entered(self, name: str) -> None:
+        """Unit ``name`` is ready to compute (its weights copied and waited for): its time starts."""
+        if self.clock is not None:
+            self.clock.start(name)
 
-    def close_window(self, cur: str | None) -> None:
-        if cur is None or self.meas is None:
-            return
-        m = self.meas[cur]
-        m.peak_bytes = max(m.peak_bytes, self.meter.peak() + self.input_bytes)
-
-    def finish(self, cur: str | None) -> dict[str, UnitMeasurement] | None:
-        if self.meter is None:
+    def finish(self) -> dict[str, UnitMeasurement] | None:
+        """The measured figures by unit, in entry order (None: nothing was measured)."""
+        if self.recorder is None:
             return None
-        self.close_window(cur)
-        for n in self.order:
-            self.meas[n].modules = frozenset(
-                id(m) for m in self._unit(n).hook_modules if id(m) in self.entered)
-        return {n: self.meas[n] for n in self.order}
+        self.clock.stop()
+        self.done_clock = self.clock
+        peak = self.meter.peak() + self.input_bytes if self.recorder.current is not None else None
+        return self.recorder.finish(lambda n: self._unit(n).hook_modules, peak)
 
     def start_cuda(self):
         """A CUDA forward starts: its timing event, and the allocator's peak reset so that the
@@ -160,7 +163,49 @@ class Measuring:
     def cpu_stats(self, stats, wall: float) -> None:
         """CPU copies are synchronous: compute waits for every one of them."""
         stats.time_wait_s = stats.time_copy_s
+        stats.time_s, stats.timed = wall, 1
         stats.time_compute_s = max(0.0, wall - stats.time_copy_s)
         if self.meas is not None:
             stats.peak_device_bytes = self.memory.peak + max(
                 (m.peak_bytes for m in self.meas.values()), default=0)
+
+
+class UnitClock:
+    """Each unit's compute seconds in one measured forward: a mark when the unit is ready to
+    compute (after any copy it waited for) and one when the next unit is entered (before that
+    one's copy), summed over its passes; what runs between two units counts to the one before, as
+    the dry run's FLOPs do. On CUDA the marks are timing events on the compute stream, read only
+    once the last has completed (``seconds`` asks ``query``: it never waits, so no host sync is
+    added); on CPU, wall time (copies there are made on the thread that computes, outside the
+    marks)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.spans: list[tuple[str, object, object]] = []
+        self._open: tuple[str, object] | None = None
+
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev
+        return time.perf_counter()
+
+    def start(self, name: str) -> None:
+        self.stop()
+        self._open = (name, self._mark())
+
+    def stop(self) -> None:
+        if self._open is not None:
+            name, a = self._open
+            self.spans.append((name, a, self._mark()))
+            self._open = None
+
+    def seconds(self) -> dict[str, float] | None:
+        """Seconds per unit entered, or None while the last mark has not completed (CUDA)."""
+        if self.cuda and self.spans and not self.spans[-1][2].query():
+            return None
+        out: dict[str, float] = {}
+        for n, a, b in self.spans:
+            out[n] = out.get(n, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out

@@ -2,7 +2,7 @@
 
 Owns the side stream copies run on (CUDA), the events of every copy (one per transfer: a
 streamed segment's units are copied one after another between one wait and one event, which all
-of them share; one per piece of the staging window a file-backed unit passes through), the
+of them share; one per piece of the bounce buffer a file-backed unit passes through), the
 timing events not yet read, and the map from each unit to the streamed
 segment to prefetch after it. The one rule: every stream that reads a buffer waits on the event
 of the copy that filled it, and a copy into a buffer first waits on the compute stream, so it
@@ -29,7 +29,7 @@ from .. import quant
 from ..plan import Plan
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
-from .host_memory import (PINNED, HostMasters, StagingWindow, _HostMaster, host_alloc_size, masters_holding,
+from .host_memory import (PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size, masters_holding,
                           staged)
 from .layout import quant_views, view
 
@@ -62,7 +62,7 @@ class Transfers:
     """The copies of one executor's units onto the device, and their ordering."""
 
     def __init__(self, device: torch.device, memory: DeviceMemory, masters: HostMasters,
-                 binding: Binding, units) -> None:
+                 binding: Binding, units, reader_streams: Callable[[], list] | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self._unit = units
@@ -74,15 +74,17 @@ class Transfers:
         self.stats = None                               # the running forward's RunStats
         self._staged_bytes = 0                          # page-locked staging of the transfer being issued
         # Other streams that read the weights while they are swapped in (the host's offload
-        # streams): each waits on the same copy events as the compute stream.
-        self.reader_streams: Callable[[], list] | None = None
+        # streams, ``HostHooks.reader_streams``): each waits on the same copy events as the
+        # compute stream.
+        self.reader_streams = reader_streams
         self.group_of: dict[str, tuple[str, ...]] = {}       # streamed unit -> its segment's units
         self.next: dict[str, tuple[str, ...] | None] = {}    # unit -> the streamed group to prefetch
         # Collected without release (an interrupted run, an engine replaced): the device buffers
         # this executor's copies write go with it.
         weakref.finalize(self, _drain_cuda, self.copy_stream)
 
-    def plan(self, plan: Plan) -> None:
+    def use_plan(self, plan: Plan) -> None:
+        """Copies from now on follow ``plan``'s segments and prefetch order."""
         self.group_of, self.next = prefetch_order(plan)
 
     def drain(self) -> None:
@@ -112,7 +114,7 @@ class Transfers:
         out: dict[str, DeviceCopy] = {}
         masters = {n: self.masters.get(n) if n not in mem.resident_names else None for n in names}
         # host buffers are made here, before the copy stream is current (no stream owns them)
-        windows = {n: self.masters.window(n) if masters[n] is None and self.cuda else None for n in names}
+        bounces = {n: self.masters.bounce(n) if masters[n] is None and self.cuda else None for n in names}
         with mem.pause():
             stream_ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
             compute = None
@@ -132,12 +134,12 @@ class Transfers:
                 base = 0
                 self._staged_bytes = 0
                 for name in names:
-                    out[name] = self._copy_unit(name, buf, base, masters[name], windows[name], compute)
+                    out[name] = self._copy_unit(name, buf, base, masters[name], bounces[name], compute)
                     base += mem.layout(name).nbytes
                 if self.cuda:
                     done = torch.cuda.Event(enable_timing=True)
                     done.record(self.copy_stream)
-                    PINNED.staged(done, self._staged_bytes)
+                    PAGE_LOCKED.staged(done, self._staged_bytes)
                     for dc in out.values():
                         dc.ready = done
                     self.events.append((ev_start, done))
@@ -190,19 +192,19 @@ class Transfers:
                 self.binding.swap_in(n, dc)
 
     def _copy_unit(self, name: str, buf: torch.Tensor, base: int, master: _HostMaster | None,
-                   window: StagingWindow | None, compute) -> DeviceCopy:
+                   bounce: BounceBuffer | None, compute) -> DeviceCopy:
         """Issue the copies of one unit's weights into ``buf`` from byte ``base`` (on CUDA on the
         copy stream, which the caller has made current; ``compute`` is the stream that reads),
-        from its flat master, through the staging window, or tensor by tensor."""
+        from its flat master, through the bounce buffer, or tensor by tensor."""
         unit, lay, place = self._unit(name), self.memory.layout(name), self.memory.place
         dc = DeviceCopy()
         dc.unit = name
-        whole = window is not None or (master is not None and lay.nbytes)  # one flat copy of the unit
-        if window is not None:
-            self._through_window(name, buf, base, window, compute)
+        whole = bounce is not None or (master is not None and lay.nbytes)  # one flat copy of the unit
+        if bounce is not None:
+            self._through_bounce(name, buf, base, bounce, compute)
         elif whole:
             # a pageable master would make the copy wait for the compute stream on the host
-            src_buf, async_ok = (master.buf, True) if master.pinned else staged(master.buf, place)
+            src_buf, async_ok = (master.buf, True) if master.page_locked else staged(master.buf, place)
             if src_buf is not master.buf:
                 self._staged_bytes += host_alloc_size(src_buf.numel())
             buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
@@ -233,9 +235,9 @@ class Transfers:
             dc.views[i] = dev
         return dc  # a staging buffer goes back to torch's host cache (reused after the copy)
 
-    def _through_window(self, name: str, buf: torch.Tensor, base: int, window: StagingWindow, compute) -> None:
+    def _through_bounce(self, name: str, buf: torch.Tensor, base: int, bounce: BounceBuffer, compute) -> None:
         """Copy a file-backed unit's flat bytes into ``buf`` from byte ``base`` piece by piece
-        through the page-locked window: the host fills a piece from the mapped tensors (as laid
+        through the page-locked bounce buffer: the host fills a piece from the mapped tensors (as laid
         out), the copy stream moves it, and an event per piece says when it may be filled again.
         Its tensors stay where they are: the file mapping is their master."""
         unit, lay = self._unit(name), self.memory.layout(name)
@@ -243,9 +245,9 @@ class Transfers:
         spans += [(off, n, p) for i, sp in lay.quant.items()
                   for (off, n), p in zip(sp, quant.parts(unit.tensors[i].tensor))]
         spans = [(off, n, src.reshape(-1).view(torch.uint8)) for off, n, src in sorted(spans, key=lambda x: x[0])]
-        for lo in range(0, lay.nbytes, window.piece):
-            hi = min(lo + window.piece, lay.nbytes)
-            piece, k = window.take()
+        for lo in range(0, lay.nbytes, bounce.piece):
+            hi = min(lo + bounce.piece, lay.nbytes)
+            piece, k = bounce.take()
             # the fill is host work, done at once: it is no copy the copy stream queues
             with torch.cuda.stream(compute):
                 for off, n, src in spans:
@@ -255,7 +257,7 @@ class Transfers:
             buf[base + lo:base + hi].copy_(piece[:hi - lo], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
-            window.read_by(k, self.copy_stream, done)
+            bounce.read_by(k, self.copy_stream, done)
 
     def _async_from(self, src: torch.Tensor) -> bool:
         """Whether a copy from ``src`` may be asynchronous: on CUDA from page-locked memory only.
@@ -309,6 +311,7 @@ class Transfers:
         timed = [p for p in self.timing if p[1].query()]
         self.timing = [p for p in self.timing if p not in timed]
         total = sum(a.elapsed_time(b) for a, b in timed) / 1e3
+        stats.time_s, stats.timed = total, len(timed)
         stats.time_compute_s = max(0.0, total - stats.time_wait_s)
 
     def forget_times(self) -> None:

@@ -8,8 +8,8 @@
 // and do nothing at import (ComfyUI also loads this file on its own as an extension script).
 
 import { asArray, summarize } from "./payload.js";
-import { answer, blockCount, copies, costTip, fmtBytes, gib, gibText, refusal, refusalFor, segmentContents, segmentCounts,
-  sharedPrefix, shortSegmentName } from "./format.js";
+import { answer, blockCount, copies, costTip, deviceRow, fmtBytes, gib, gibText, hopTexts, refitLine, refusal, refusalFor,
+  segmentContents, segmentCounts, sharedPrefix, shortSegmentName, timeLine } from "./format.js";
 import { COLORS, inkOn } from "./theme.js";
 import { groupLabels, labelChoices, pickLabels } from "./labels.js";
 import { fitText, makePen, roundRect, wrapText } from "./pen.js";
@@ -80,6 +80,8 @@ function drawZoomedOut(pen, payload, zoom, unused) {
 /** The budget as the header says it: per model, "off" when VRAMCut is off (a budget of 0). */
 export function budgetText(payload) {
   if (!payload.enabled || Number(payload.budget_bytes) === 0) return "budget off";
+  if (payload.devices?.length)
+    return payload.devices.map((d) => `${d.device} ${d.budget_bytes == null ? "free" : `${gib(d.budget_bytes)} GiB`}`).join(" · ");
   if (payload.budget_bytes == null) return "budget: free VRAM less reserve";
   return `${gib(payload.budget_bytes)} GiB per model`;
 }
@@ -113,8 +115,10 @@ function drawHeader(pen, payload, reserveRight) {
       room = W; // below the buttons' row
     }
     pen.text(fitText(ctx, sub, room), x, y + 10, theme.muted, pen.font(12), "left", null, "budget");
-    pen.tip(0, top, W, pen.y + HEADER_H - top,
-      "Each model connected here gets this budget on its own: they run one after another, not together.");
+    pen.tip(0, top, W, pen.y + HEADER_H - top, payload.devices?.length
+      ? "Each model connected here may use these devices, each within its budget (free: its free VRAM less the reserve); " +
+        "the models run one after another, not together."
+      : "Each model connected here gets this budget on its own: they run one after another, not together.");
   }
   pen.y += HEADER_H + 2;
 }
@@ -197,7 +201,12 @@ function drawModel(pen, m, idx, payloadBudget, details, refused = null) {
     pen.y += 3;
     return;
   }
-  drawBar(pen, m.plan, budget);
+  const t = timeLine(m);
+  if (t) drawLine(pen, t.text, t.measured ? pen.theme.fg : pen.theme.muted, "time", t.tip);
+  const r = refitLine(m);
+  if (r) drawLine(pen, r.text, pen.theme.warning, "refit", r.tip);
+  if (m.plan.devices.length) drawDevices(pen, m.plan);
+  else drawBar(pen, m.plan, budget);
   if (!details) {
     drawWarningLine(pen, m.warnings);
     pen.y += 3;
@@ -245,7 +254,7 @@ function drawAnswer(pen, m, a) {
   const answerTop = pen.y;
   // the parts flow onto as many rows as the width needs, each part whole
   const parts = [[a.verdict, a.fits ? theme.fits : COLORS.over, verdictFont],
-    ...[a.vram, a.stream, a.time].map((t) => [t, theme.fg, restFont])];
+    ...[a.vram, a.stream, a.hops, a.time].filter(Boolean).map((t) => [t, theme.fg, restFont])];
   let x = 0;
   const place = (s, color, font) => {
     pen.text(s, x, pen.y + 8, color, font, "left", null, "answer");
@@ -275,6 +284,50 @@ function drawAnswer(pen, m, a) {
     : costTip(m));
 }
 
+/** A line of its own under the answer (the time line, a re-plan), wrapped whole. */
+function drawLine(pen, text, color, kind, tip) {
+  const top = pen.y;
+  pen.ctx.font = pen.font(12, 500);
+  for (const l of wrapText(pen.ctx, text, pen.W, 3)) {
+    pen.text(l, 0, pen.y + 8, color, pen.font(12, 500), "left", null, kind);
+    pen.y += 16;
+  }
+  pen.tip(0, top, pen.W, pen.y - top, tip);
+  pen.y += 1;
+}
+
+/** One row per device: its name and peak against its budget, then its bar (resident, streaming
+ * window, activations) against its own budget line; then the hops between them. */
+function drawDevices(pen, plan) {
+  const { ctx, W, theme } = pen;
+  for (const d of plan.devices) {
+    const row = deviceRow(d);
+    const top = pen.y;
+    ctx.font = pen.font(12, 600);
+    for (const l of wrapText(ctx, row.text, W, 3)) {
+      pen.text(l, 0, pen.y + 8, row.fits ? theme.strong : COLORS.over, pen.font(12, 600), "left", null, "device");
+      pen.y += 15;
+    }
+    drawBar(pen, {
+      peak_bytes: d.peak_bytes, resident_bytes: d.resident_bytes, window_bytes: d.window_bytes,
+      activation_reserve_bytes: d.activation_bytes,
+    }, Number(d.budget_bytes ?? 0), row.tip);
+    pen.tip(0, top, W, pen.y - top, row.tip);
+  }
+  const hops = hopTexts(plan);
+  if (hops.length) {
+    const top = pen.y;
+    ctx.font = pen.font(12);
+    for (const l of wrapText(ctx, `${hops.length === 1 ? "hop" : "hops"}: ${hops.join("; ")}`, W, 4)) {
+      pen.text(l, 0, pen.y + 8, theme.muted, pen.font(12), "left", null, "hops");
+      pen.y += 16;
+    }
+    pen.tip(0, top, W, pen.y - top, "Between devices only the activations crossing the cut move (device to device, " +
+      "never through the host), once per call at each hop.");
+    pen.y += 1;
+  }
+}
+
 /** After a refusal: the budget the error asks for against the one set (red past the line). */
 function drawNeedBar(pen, need, budget) {
   const { W, theme } = pen;
@@ -293,7 +346,7 @@ function drawNeedBar(pen, need, budget) {
 }
 
 /** The VRAM bar: the device at the plan's peak, against the budget line. */
-function drawBar(pen, plan, budget) {
+function drawBar(pen, plan, budget, tip = null) {
   const { ctx, W, theme } = pen;
   const peak = Number(plan.peak_bytes ?? 0);
   const res = Number(plan.resident_bytes ?? 0);
@@ -329,7 +382,7 @@ function drawBar(pen, plan, budget) {
     const lx = Math.min(W - 1, Math.max(1, bx(budget)));
     pen.rect(lx - 1, y - 3, 2, barH + 6, theme.strong);
   }
-  pen.tip(0, y - 3, W, barH + 6,
+  pen.tip(0, y - 3, W, barH + 6, tip ??
     `Peak ${gib(peak)} GiB of ${gib(budget)} GiB: resident ${fmtBytes(res)}, streaming window ${fmtBytes(win)}, ` +
     `activations ${act == null ? "not measured yet" : fmtBytes(act)}. The line is the budget.`);
   pen.y += barH + 5;

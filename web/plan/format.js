@@ -141,7 +141,97 @@ export function answer(m, payloadBudget, refused = null) {
   else time = "time not measured";
   const short = `${verdict} ${pct(peak, budget)} · ${timeMeasured || (source === "estimate" && m.stage !== "measured")
     ? `+${fmtSeconds(c.added_s_per_forward)}/call` : stream}`;
+  // the time line under the answer says what the plan is predicted (then measured) to take
+  if (m.time) time = null;
+  if (plan.devices?.length) return devicesAnswer(m, c, time, source);
+  if (!time) return { fits, verdict, vram, stream, time, source, short, line: `${verdict} · ${vram} · ${stream}` };
   return { fits, verdict, vram, stream, time, source, short, line: `${verdict} · ${vram} · ${stream} · ${time}` };
+}
+
+/** The answer across devices: fits (every device within its own budget, Python's verdict), the
+ * peak of each device against its budget, the bytes streamed from host memory per call and the
+ * hops per call (the activations crossing from one device to the next). */
+function devicesAnswer(m, c, time, source) {
+  const plan = m.plan;
+  const fits = c.fits ?? plan.devices.every((d) => Number(d.peak_bytes) <= Number(d.budget_bytes));
+  const verdict = fits ? "fits" : "over budget";
+  const vram = "peak " + plan.devices.map((d) => `${d.device} ${gib(d.peak_bytes)}/${gib(d.budget_bytes)} GiB`).join(", ");
+  const sbytes = Number(c.streamed_bytes_per_forward ?? plan.streamed_bytes_per_forward ?? 0);
+  const stream = sbytes > 0 ? `${fmtBytes(sbytes)} streamed per call` : "nothing streamed";
+  const nHops = Number(c.hops_per_call ?? plan.hops_per_call ?? plan.hops.length);
+  const hops = `${nHops} hop${nHops === 1 ? "" : "s"} per call`;
+  const over = plan.devices.filter((d) => Number(d.peak_bytes) > Number(d.budget_bytes)).map((d) => d.device);
+  const short = `${verdict} on ${plan.devices.length} devices${over.length ? ` (${over.join(", ")})` : ""}`;
+  const line = [verdict, vram, stream, hops, time].filter(Boolean).join(" · ");
+  return { fits, verdict, vram, stream, hops, time, source, short, line };
+}
+
+/** The signed error of a prediction, as a share of the measured time ("+8 %", "−12 %"). */
+function signedPct(x) {
+  const p = Math.round(Math.abs(Number(x)) * 100);
+  return `${Number(x) < 0 && p ? "−" : "+"}${p} %`;
+}
+
+/** The time line under the answer, from Python's figures (the node's "time", per call): before
+ * a call "predicted +0.42 s / call (1.8× resident)"; after one "measured 1.23 s / call ·
+ * predicted 1.10 s (−11 %)". null when nothing was predicted. */
+export function timeLine(m) {
+  const t = m.time;
+  if (!t) return null;
+  if (Number.isFinite(Number(t.measured_s)) && t.measured_s !== null) {
+    const err = t.error === null || t.error === undefined ? "" : ` (${signedPct(t.error)})`;
+    return {
+      measured: true,
+      text: `measured ${fmtSeconds(t.measured_s)} / call · predicted ${fmtSeconds(t.predicted_s)}${err}`,
+      tip: `A call took ${fmtSeconds(t.measured_s)} (measured); the plan predicted ${fmtSeconds(t.predicted_s)}` +
+        (t.error === null || t.error === undefined ? "." : `, off by ${signedPct(t.error)} of the measured time.`) +
+        ` All resident it would take about ${fmtSeconds(t.resident_s)}.`,
+    };
+  }
+  const ratio = Number.isFinite(Number(t.ratio)) && t.ratio !== null ? ` (${Number(t.ratio).toFixed(2)}× resident)` : "";
+  const from = t.source === "measured" ? "block times measured on an earlier call" : "each block's operations counted in the dry run";
+  return {
+    measured: false,
+    text: `predicted +${fmtSeconds(t.added_s)} / call${ratio}`,
+    tip: `Predicted before running: ${fmtSeconds(t.predicted_s)} per call against ${fmtSeconds(t.resident_s)} with every ` +
+      `block resident (${from}; copies hidden behind the compute they overlap).`,
+  };
+}
+
+/** "re-planned: free VRAM fell to 5.00 GiB (was 8.00)": the engine planned again because free
+ * VRAM moved (Python's "refit"); null otherwise. */
+export function refitLine(m) {
+  const r = m.refit;
+  if (!r) return null;
+  const now = Number(r.budget_bytes);
+  const was = Number(r.previous_budget_bytes);
+  const moved = Number.isFinite(was) && now > was ? "rose" : "fell";
+  return {
+    text: `re-planned: free VRAM ${moved} to ${gib(now)} GiB` + (Number.isFinite(was) ? ` (was ${gib(was)})` : ""),
+    tip: r.reason ? String(r.reason) : "Free VRAM moved since the last plan: the budget followed it and the plan was made again.",
+  };
+}
+
+/** The hops between devices: "cuda:0 → cuda:1 before double_blocks.9 (3.0 MiB)". */
+export function hopTexts(plan) {
+  return asArray(plan.hops).map((h) => `${h.src} → ${h.dst} before ${h.unit}, ${fmtBytes(Number(h.bytes))}`);
+}
+
+/** One device's row: its name and peak against its budget, and what its bar shows. */
+export function deviceRow(d) {
+  const peak = Number(d.peak_bytes ?? 0);
+  const budget = Number(d.budget_bytes ?? 0);
+  const copies = Number(d.copies_per_call ?? 0);
+  const streamed = Number(d.streamed_bytes_per_call ?? 0);
+  return {
+    name: String(d.device),
+    text: `${d.device} · ${gib(peak)} / ${gib(budget)} GiB · ` +
+      (streamed > 0 ? `${fmtBytes(streamed)} streamed per call` : "nothing streamed"),
+    tip: `${d.device}: peak ${gib(peak)} GiB of its ${gib(budget)} GiB budget: resident ${fmtBytes(Number(d.resident_bytes ?? 0))}, ` +
+      `streaming window ${fmtBytes(Number(d.window_bytes ?? 0))}, activations ${fmtBytes(Number(d.activation_bytes ?? 0))}` +
+      (copies > 0 ? `; ${fmtBytes(streamed)} copied from host memory in ${copies} cop${copies === 1 ? "y" : "ies"} per call.` : "."),
+    fits: peak <= budget,
+  };
 }
 
 /**

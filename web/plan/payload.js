@@ -8,7 +8,13 @@
 //            min_budget_exact?, need_bytes? (a refused model's own figures), plan: {budget_bytes,
 //            peak_bytes, streamed_bytes_per_forward, transfers_per_forward, resident_bytes,
 //            window_bytes, activation_reserve_bytes, measured, split, units (keep_resident, or
-//            "pinned" from older versions), segments, stats?, cost?}}]}
+//            "pinned" from older versions), segments, stats?, cost?,
+//            devices? (more than one device: [{device, budget_bytes, peak_bytes, resident_bytes,
+//            window_bytes, activation_bytes, streamed_bytes_per_call, copies_per_call, segments}]),
+//            hops? ([{src, dst, unit, bytes}]), hop_bytes_per_call?, hops_per_call?},
+//            time? ({predicted_s, resident_s, added_s, ratio, measured_s, error, source}: the node's
+//            time line, per call), refit? ({reason, budget_bytes, previous_budget_bytes})}],
+//  devices? ([{device, budget_bytes (null: free VRAM less the reserve)}]: the Devices node's list)}
 // The node-level min_budget_bytes is the largest of the refused models' (the one budget that
 // makes every connected model fit: each gets the whole budget in turn).
 // Rule: pure functions of the payload (no DOM, no ComfyUI, nothing done at import); they read
@@ -41,6 +47,8 @@ export function normalizePayload(p) {
         min_budget_bytes: positive(m.min_budget_bytes),
         min_budget_exact: m.min_budget_exact === true,
         need_bytes: positive(m.need_bytes),
+        time: isObject(m.time) && Number.isFinite(Number(m.time.predicted_s)) ? m.time : null,
+        refit: isObject(m.refit) && Number.isFinite(Number(m.refit.budget_bytes)) ? m.refit : null,
         plan: {
           ...plan,
           segments: asArray(plan.segments).filter((s) => s && typeof s === "object"),
@@ -49,6 +57,9 @@ export function normalizePayload(p) {
             ? { ...u, keep_resident: u.pinned === true } : u)),
           split: asArray(plan.split).map(String),
           cost: plan.cost && typeof plan.cost === "object" ? plan.cost : null,
+          // one row per device only where the plan spans more than one (Python sends none for one)
+          devices: asArray(plan.devices).filter((d) => isObject(d) && d.device),
+          hops: asArray(plan.hops).filter(isObject),
         },
       };
     });
@@ -60,8 +71,13 @@ export function normalizePayload(p) {
     min_budget_bytes: positive(p.min_budget_bytes),
     min_budget_exact: p.min_budget_exact === true,  // the smallest that works, not a lower bound
     need_bytes: positive(p.need_bytes),
+    devices: asArray(p.devices).filter((d) => isObject(d) && d.device),
     models,
   };
+}
+
+function isObject(v) {
+  return !!v && typeof v === "object" && !Array.isArray(v);
 }
 
 /** The newest payload of a node's output (a list, newest last) or the payload itself. */

@@ -1,6 +1,6 @@
 """The patcher: the ModelPatcher subclass that keeps every weight off the GPU for the engines to
 stream, and the dynamic-VRAM stash that keeps the host's own offloading away from those weights
-(the per-patch state is ``state``, device merges ``lora``, the host's pinning ``host_gpu``).
+(the per-patch state is ``state``, device merges ``lora``, the host's own GPU use ``gpu``).
 
 The one rule: a patched model shares its module and its host weights with the model it was made
 from (one host copy, never a reload from disk), and while it is loaded nothing of the host's own
@@ -23,9 +23,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 from comfy.patcher_extension import CallbacksMP
 
-from ..vramcut_core.tensors import GIB
-from . import streams
-from .host_gpu import host_fast_disk, host_pinning  # noqa: F401  (host_pinning: the adapter's pinning rule, read here by tests)
+from .gpu import held_bytes, host_fast_disk, weights_changing
 from .lora import _host_patch_functions, merge_shape_changing_on_host, mergeable_patch_keys
 from .state import KEY, PatchState, VRAMCutError, state_of
 
@@ -147,7 +145,7 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
     def patch_hooks(self, *args, **kwargs):
         st = state_of(self)
         if st is not None:
-            streams.weights_changing(st)  # hook weights are written in place: engines copy again
+            weights_changing(st)  # hook weights are written in place: engines copy again
         return super().patch_hooks(*args, **kwargs)
 
     def get_free_memory(self, device):
@@ -156,7 +154,7 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         base = getattr(super(), "get_free_memory", None)  # a patcher method in newer hosts only
         free = base(device) if base is not None else mm.get_free_memory(device)
         st = state_of(self)
-        return free + (streams.held_bytes(st) if st is not None else 0)
+        return free + (held_bytes(st) if st is not None else 0)
 
     def clone(self, *args, **kwargs):
         n = super().clone(*args, **kwargs)
@@ -167,11 +165,14 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         return n
 
     def model_size(self):
+        # what ComfyUI frees on the load device before loading: the budget there, not the model
+        # (with devices, that device's own budget; the others are the engines' to manage)
         real = super().model_size()
         st = state_of(self) if hasattr(self, "attachments") else None
-        if st is None or st.settings.budget_mode != "fixed":
+        budget = st.settings.home_budget_bytes(self.load_device) if st is not None else None
+        if budget is None:
             return real
-        return min(real, max(1, int(st.settings.max_vram_gb * GIB)))
+        return min(real, max(1, budget))
 
 
 def _unpin_host_pins(model: torch.nn.Module, keys: frozenset) -> None:

@@ -1,0 +1,50 @@
+"""bench/predict_table.py's tables on small units, against timelines worked out by hand."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import predict_table as pt  # noqa: E402
+from vramcut_core import PlanUnit  # noqa: E402
+from vramcut_core.plan import PlanOptions  # noqa: E402
+
+GB = 10**9
+
+
+def units(peak=None):
+    # four blocks of 1 GB and 30 ms each: a copy takes 40 ms at 25 GB/s, 20 ms at 50 GB/s
+    return [PlanUnit(f"blocks.{i}", GB, peak, peak, compute_s=0.03) for i in range(4)]
+
+
+def test_time_rows_by_hand():
+    rows = pt.time_rows("toy", units(), PlanOptions(), budgets=(4, 2, 1, 0.5))
+    assert rows == [
+        # 4 GiB: everything resident, 4 x 30 ms
+        "| toy | 4 GiB | 0.120 s | " + " | ".join(["0.120 s (1.00×)"] * 4) + " |",
+        # 2 GiB: nothing resident, two 1 GB slots. 25 GB/s: the copies (40 ms) run back to back,
+        # each slot free in time (a copy two places back ended 80 ms before, its compute 70 ms):
+        # 4 x 40 ms. 50 GB/s: each 20 ms copy starts when the unit two places back has run and
+        # ends before the unit before it has: 4 x 30 ms. No residency fits beside two slots, and
+        # one slot (one resident) waits for every copy: by time is the same plan.
+        "| toy | 2 GiB | 0.120 s | 0.160 s (1.33×) | 0.160 s (1.33×) | 0.120 s (1.00×) | 0.120 s (1.00×) |",
+        # 1 GiB: one slot, no prefetch: each unit waits for its whole copy. 4 x (40 + 30) ms,
+        # 4 x (20 + 30) ms
+        "| toy | 1 GiB | 0.120 s | 0.280 s (2.33×) | 0.280 s (2.33×) | 0.200 s (1.67×) | 0.200 s (1.67×) |",
+        # 0.5 GiB: not even one 1 GB slot (1 GB = 0.9313 GiB, rounded up at the widget's precision)
+        "| toy | 0.5 GiB | 0.120 s | " + " | ".join(["refused (needs 0.932 GiB)"] * 4) + " |",
+    ]
+
+
+def test_placement_rows_by_hand():
+    mib = 1 << 20
+    rows = pt.placement_rows("toy", units(peak=mib), PlanOptions(), traced=True, sizes=(2,))
+    assert rows == [
+        # one GPU of 2 GiB: two 1 GB slots and 1 MiB of activations leave no room for a
+        # resident block: 4 GB streamed per call = 3.73 GiB
+        "| toy | one GPU of 2 GiB | 3.73 GiB | 0 | 0 | traced, units per GPU 4 |",
+        # two: two blocks resident on each (2 GB + 1 MiB fit 2 GiB); the 1 MiB entering blocks.2 hops
+        "| toy | 2×2 GiB | 0.00 GiB | 1 | 1.0 MiB | traced, units per GPU 2 + 2 |",
+    ]
+    rows = pt.placement_rows("toy", units(), PlanOptions(), traced=False, sizes=(2,))
+    assert rows[1] == "| toy | 2×2 GiB | 0.00 GiB | 1 | not measured | weights only, units per GPU 2 + 2 |"

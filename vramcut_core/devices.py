@@ -1,0 +1,208 @@
+"""One module on several devices: the engine's side of a placement (``placement.place``).
+
+Owns what spans the devices of one engine: the group of executors (one per device, each with
+its own rooms: device memory, copy stream, events, slots; page-locked host masters are shared
+per process already), their nested forward (each executor hooks only the units of its range;
+the innermost runs the model with the hops installed), the dry run on fake devices that chooses
+the hop rule (``runtime.hops``) before anything moves, the plan drawn as one (``combined_plan``)
+and the JSON of the devices and hops.
+
+The hop rule: ``KEEP`` (a unit's outputs stay where it computed them) when the dry run on fake
+devices, each unit's weights faked on its device, runs the forward without mixing devices;
+else ``HOME`` (every unit off the home device returns its outputs home) when that runs; else
+the forward cannot run across devices and the engine refuses, naming one device as the way out.
+The dry run counts the hops with the same ``Hops`` the runtime uses, so the plan's hops are the
+ones that run (the runtime counts them again on every forward).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from .placement import Placement
+from .plan import Plan, Segment
+from .report import RunStats
+from .runtime import hops as hops_room
+from .runtime.hops import HOME, KEEP, Hops
+
+RULES = (KEEP, HOME)
+
+
+@dataclasses.dataclass
+class HopCheck:
+    """The dry run on fake devices: the rule that runs (None: neither does), the hops it made,
+    and why each rule that failed failed."""
+
+    rule: str | None
+    hops: list[dict]
+    reasons: dict[str, str]
+
+    @property
+    def bytes(self) -> int:
+        return sum(h["bytes"] for h in self.hops)
+
+
+def unit_devices(placement: Placement, units: Callable[[str], object]) -> list[tuple[object, torch.device]]:
+    """``(Unit, device)`` of every unit the placement runs, in execution order."""
+    return [(units(placement.units[i].name), torch.device(d.device))
+            for d in placement.used for i in range(d.first, d.stop)]
+
+
+def check_hops(module: nn.Module, placed: Sequence[tuple[object, torch.device]], home: torch.device,
+               fn: Callable, args: tuple, kwargs: dict) -> HopCheck:
+    """Run ``fn`` on fake tensors with each unit's weights on its device and the inputs on the
+    device they are on now (see the module docstring); the user's model is never changed."""
+    reasons: dict[str, str] = {}
+    for rule in RULES:
+        try:
+            moves = _fake_run(module, placed, home, fn, args, kwargs, rule)
+            return HopCheck(rule, moves, reasons)
+        except Exception as e:  # a forward that mixes devices under this rule, or cannot run on fakes
+            from .trace import _first_line
+            reasons[rule] = f"{type(e).__name__}: {_first_line(e)}"
+    return HopCheck(None, [], reasons)
+
+
+def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .trace import _active, _Call, _fake_weight, _keep_fakes_in_place, _ModuleState
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
+    state = _ModuleState(module)
+    swapped: list[tuple] = []
+    hops = Hops(placed, home, rule, device_of=lambda t: t.device, move=lambda t, d: t.to(d))
+    try:
+        def fake_input(t):
+            where = hops_room._device_of(t)
+            f = mode.from_tensor(t)
+            if f.device != where:
+                with mode:
+                    f = f.to(where)
+            return f
+        fa, fk = tree_map_only(torch.Tensor, fake_input, (args, kwargs))
+        for u, dev in placed:
+            for ut in u.tensors:
+                fake = _fake_weight(mode, ut.tensor, dev)
+                for r in ut.refs:
+                    swapped.append((r, r.get()))
+                    r.set(fake)
+        _keep_fakes_in_place(module)
+        hops.install()
+        _active.depth = getattr(_active, "depth", 0) + 1
+        try:
+            with mode:
+                hops.output(_Call(fn, fa, fk)())
+        finally:
+            _active.depth -= 1
+        return hops.summary()
+    finally:
+        hops.remove()
+        for r, orig in reversed(swapped):
+            r.set(orig)
+        state.restore()
+
+
+class DeviceGroup:
+    """The executors of one engine, one per device in the user's order; ``home`` is the one
+    inputs arrive on. They coexist: none releases another (``SegmentedExecutor.group``)."""
+
+    def __init__(self, make: Callable[[str], object], devices: Sequence[tuple[str, int]], home: str) -> None:
+        self.devices = [(torch.device(d), b) for d, b in devices]
+        self.executors = [make(d) for d, _ in devices]
+        for ex in self.executors:
+            ex.group = self
+        self.home = torch.device(home)
+        self.last_hops: Hops | None = None
+
+    def executor_of(self, device: str):
+        return self.executors[[str(d) for d, _ in self.devices].index(str(torch.device(device)))]
+
+    def forward(self, placement: Placement, units: Callable[[str], object], rule: str, fn: Callable,
+                args: tuple, kwargs: dict, measure: bool = False):
+        """Run ``fn`` with every used device's executor running its part of ``placement``,
+        nested (each installs its own hooks; the innermost runs the model with the hops).
+        Returns ``(output, {device: RunStats}, measurements by unit in execution order | None)``."""
+        parts = [(self.executor_of(d.device), d) for d in placement.used]
+        hops = Hops(unit_devices(placement, units), self.home, rule)
+        results: dict[str, tuple] = {}
+
+        def call(i: int, *a, **k):
+            if i == len(parts):
+                hops.install()
+                try:
+                    return hops.output(fn(*a, **k))
+                finally:
+                    hops.remove()
+            ex, d = parts[i]
+            out, stats, meas = ex.forward(d.plan, lambda *a2, **k2: call(i + 1, *a2, **k2), *a, measure=measure,
+                                          limit_bytes=d.budget_bytes if measure else None, **k)
+            results[d.device] = (stats, meas)
+            return out
+
+        out = call(0, *args, **kwargs)
+        self.last_hops = hops
+        meas = None
+        if measure:
+            meas = {}
+            for d in placement.used:
+                meas.update(results[d.device][1] or {})
+        return out, {dev: r[0] for dev, r in results.items()}, meas
+
+
+def combined(stats: dict[str, RunStats]) -> RunStats:
+    """One forward on several devices as one forward's stats (bytes and copies summed, the
+    largest peak, the slowest device's times)."""
+    out = RunStats(forwards=1)
+    for s in stats.values():
+        out.bytes_streamed += s.bytes_streamed
+        out.copies += s.copies
+        out.sync_loads += s.sync_loads
+        for f in ("time_copy_s", "time_compute_s", "time_wait_s"):
+            setattr(out, f, max(getattr(out, f), getattr(s, f)))
+        out.peak_device_bytes = max(out.peak_device_bytes, s.peak_device_bytes)
+        out.peak_weight_bytes = max(out.peak_weight_bytes, s.peak_weight_bytes)
+    return out
+
+
+def combined_plan(placement: Placement, source: str | None, warnings: Sequence[str] = ()) -> Plan:
+    """The placement as one ``Plan`` (every unit, every device's segments in execution order,
+    the budgets summed) for what reads one plan: the table, the top-level JSON, the cache."""
+    segs: list[Segment] = []
+    slots = slot_bytes = 0
+    for d in placement.used:
+        p = d.plan
+        slots, slot_bytes = max(slots, p.slots), max(slot_bytes, p.slot_bytes)
+        for s in p.segments:
+            segs.append(dataclasses.replace(s, units=tuple(i + d.first for i in s.units)))
+    measured = all(u.peak_bytes is not None for u in placement.units)
+    warns = tuple(warnings) + tuple(w for d in placement.used for w in d.plan.warnings if w not in warnings)
+    return Plan(sum(d.budget_bytes for d in placement.devices), tuple(placement.units), tuple(segs), slots,
+                slot_bytes, measured, (), warns, source)
+
+
+def placement_json(placement: Placement, hops: list[dict], measured_peaks: dict[str, int | None]) -> dict:
+    """The plan JSON's "devices", "hops", "hop_bytes_per_call" and "hops_per_call" (the shape the
+    node draws): one entry per device in the user's order."""
+    from .report import plan_to_json
+
+    devs = []
+    for d in placement.devices:
+        p = d.plan
+        j = plan_to_json(p) if p is not None else None
+        devs.append({
+            "device": d.device, "budget_bytes": d.budget_bytes,
+            "peak_bytes": p.peak_bytes if p else 0, "resident_bytes": p.resident_bytes if p else 0,
+            "window_bytes": p.window_bytes if p else 0,
+            "activation_bytes": (p.activation_reserve_bytes or 0) if p else 0,
+            "streamed_bytes_per_call": p.streamed_bytes_per_forward if p else 0,
+            "copies_per_call": p.transfers_per_forward if p else 0,
+            "measured_peak_bytes": measured_peaks.get(d.device),
+            "segments": j["segments"] if j else [],
+        })
+    return {"devices": devs, "hops": list(hops), "hop_bytes_per_call": sum(h["bytes"] for h in hops),
+            "hops_per_call": len(hops)}

@@ -1,0 +1,118 @@
+"""The figures that time a plan, for one engine: the host-to-device bandwidth, the compute
+throughput, each unit's measured compute time, and whether residency is chosen by time.
+
+``EngineConfig.speed`` says how residency is chosen: "time" (``residency.by_time``: the plan with
+the shortest predicted step under the budget), "count" (``plan.build_plan``: as many bytes
+resident as fit; no compute times, no prediction: today's plans exactly) or "auto" (time on CUDA,
+where copies overlap compute and the choice matters; count on CPU, so that plans there do not
+depend on what a cache file of this machine holds). Choosing by time needs every entered unit's
+compute time and a bandwidth; without either the count-based plan is kept.
+
+* Bandwidth: ``EngineConfig.bandwidth_bytes_per_s``, else the figure ``bandwidth`` measured before
+  for the device (``cached_host_to_device``: never measured here, never assumed).
+* Throughput: ``EngineConfig.flops_per_s``, else ``bandwidth.matmul_throughput`` for the device and
+  the module's compute dtype (a probe, once per device and dtype, cached).
+* Measured times: ``UnitTimes`` keeps, per input signature, the unit clock of the measuring
+  forward (``runtime.measuring.UnitClock``) until its marks can be read without waiting, then the
+  seconds per unit; they replace the dry run's estimate.
+
+The one rule: no figure here is assumed; without a measured one the answer is None.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import bandwidth
+
+SPEEDS = ("auto", "time", "count")
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def by_time(config) -> bool:
+    """Does ``config`` choose residency by predicted time (see the module docstring)?"""
+    return config.speed == "time" or (config.speed == "auto" and torch.device(config.device).type == "cuda")
+
+
+def overlaps(config) -> bool:
+    """Do copies overlap compute on ``config``'s device (CUDA: a copy stream; CPU: no)?"""
+    return torch.device(config.device).type == "cuda"
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype most of the module's floating weight bytes are in, where it is one a matrix
+    product runs in (else float32: quantized weights are multiplied after a cast)."""
+    count: Counter = Counter()
+    for p in module.parameters():
+        if p.dtype in COMPUTE_DTYPES:
+            count[p.dtype] += p.numel() * p.element_size()
+    return count.most_common(1)[0][0] if count else torch.float32
+
+
+class Figures:
+    """Bandwidth and throughput for one module's engine, looked up when first asked for."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._flops: dict[tuple, float | None] = {}
+
+    def flops_per_s(self, config) -> float | None:
+        if config.flops_per_s:
+            return float(config.flops_per_s)
+        key = (config.device,)
+        if key not in self._flops:
+            try:
+                self._flops[key] = bandwidth.matmul_throughput(config.device, compute_dtype(self.module))["flops_per_s"]
+            except Exception:  # a device this build of torch cannot name or use: no estimate
+                self._flops[key] = None
+        return self._flops[key]
+
+    @staticmethod
+    def bytes_per_s(config) -> float | None:
+        if config.bandwidth_bytes_per_s:
+            return float(config.bandwidth_bytes_per_s)
+        return bandwidth.cached_host_to_device(config.device)
+
+
+class UnitTimes:
+    """Measured compute seconds per unit and input signature. ``top(name)`` maps a part of a finer
+    cut to the unit it was cut from (the parts' times add up)."""
+
+    def __init__(self, top: Callable[[str], str]) -> None:
+        self.top = top
+        self._clocks: dict[tuple, object] = {}
+        self._seconds: dict[tuple, dict[str, float]] = {}
+
+    def measured(self, sig: tuple, clock) -> None:
+        """A measuring forward of ``sig`` ran with ``clock`` (None: it kept no clock)."""
+        self._seconds.pop(sig, None)
+        if clock is not None:
+            self._clocks[sig] = clock
+        self.ready(sig)
+
+    def ready(self, sig: tuple) -> bool:
+        """True once, when ``sig``'s clock has just become readable (its plan can be timed again);
+        reading never waits (a clock whose last mark has not completed stays pending)."""
+        clock = self._clocks.get(sig)
+        if clock is None:
+            return False
+        secs = clock.seconds()
+        if secs is None:
+            return False
+        del self._clocks[sig]
+        out: dict[str, float] = {}
+        for n, s in secs.items():
+            t = self.top(n)
+            out[t] = out.get(t, 0.0) + s
+        self._seconds[sig] = out
+        return True
+
+    def seconds(self, sig: tuple) -> dict[str, float] | None:
+        return self._seconds.get(sig)
+
+    def forget(self) -> None:
+        self._clocks.clear()
+        self._seconds.clear()
