@@ -198,7 +198,9 @@ class VRAMCutPreviewShape(io.ComfyNode):
             node_id="VRAMCutPreviewShape", display_name="Preview shape (VRAMCut)", category="VRAMCut",
             description="The shape a Max VRAM node previews its plan at: connect it to 'preview_shape' and "
                         "the node draws, without running anything, the plan with activations for this "
-                        "width, height, frames and batch, marked 'traced'.",
+                        "width, height, frames and batch, marked 'traced'. A MODEL is previewed with the "
+                        "positive and negative prompt batched (CFG above 1); turn cfg_batch off for CFG 1 "
+                        "or a distilled model.",
             inputs=[
                 io.Int.Input("width", default=1024, min=8, max=16384, step=8,
                              tooltip="image or video width in pixels, as in the empty latent node"),
@@ -208,16 +210,22 @@ class VRAMCutPreviewShape(io.ComfyNode):
                              tooltip="video frames (pixel frames, as in the empty video latent node); "
                                      "1 for image models"),
                 io.Int.Input("batch", default=1, min=1, max=4096,
-                             tooltip="the batch each model call runs: the latent batch size (a sampler "
-                                     "with CFG above 1 often runs cond and uncond together: twice that)"),
+                             tooltip="the latent batch size, as in the empty latent node"),
+                # appended last (widgets_values are positional: a workflow saved before it loads
+                # with its four values where they were, and this at its default)
+                io.Boolean.Input("cfg_batch", default=True, optional=True,
+                                 tooltip="On (CFG above 1): the MODEL is previewed as the sampler runs it, "
+                                         "the positive and the negative prompt together in one call of twice "
+                                         "the batch. Off for CFG 1 and distilled models (one prompt per call). "
+                                         "The CLIP and the VAE are previewed at the batch alone."),
             ],
             outputs=[ShapeIO.Output(display_name="preview_shape",
                                     tooltip="connect to a Max VRAM node's preview_shape")])
 
     @classmethod
-    def execute(cls, width, height, frames, batch) -> io.NodeOutput:
+    def execute(cls, width, height, frames, batch, cfg_batch=True) -> io.NodeOutput:
         try:
-            return io.NodeOutput(Shape(width, height, frames, batch).validate())
+            return io.NodeOutput(Shape(width, height, frames, batch, cfg_batch).validate())
         except ValueError as e:
             raise VRAMCutError(str(e)) from None
 

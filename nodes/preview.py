@@ -40,13 +40,24 @@ class Shape:
     height: int
     frames: int = 1
     batch: int = 1
+    # With CFG above 1 the sampler runs the positive and the negative prompt as one call of twice
+    # the batch (it splits them only when memory is short): a MODEL is previewed so by default.
+    # False: one prompt per call (CFG 1, distilled models).
+    cfg_batch: bool = True
 
     def validate(self) -> "Shape":
         for name in ("width", "height", "frames", "batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"preview shape: {name} must be a whole number of at least 1, got {v!r}")
+        if not isinstance(self.cfg_batch, bool):
+            raise ValueError(f"preview shape: cfg_batch must be true or false, got {self.cfg_batch!r}")
         return self
+
+    @property
+    def model_batch(self) -> int:
+        """The batch of one diffusion-model call at this shape (cond and uncond together)."""
+        return self.batch * (2 if self.cfg_batch else 1)
 
     @property
     def label(self) -> str:
@@ -107,7 +118,8 @@ def _latent(fmt, shape: Shape, channels: int | None = None) -> tuple[int, ...]:
 
 def _model_call(patched, shape: Shape):
     """(fn, args, kwargs) of the sampler's call of the patched MODEL at ``shape``: the call the
-    APPLY_MODEL wrapper sees, as ``comfy.samplers`` makes it for one positive prompt."""
+    APPLY_MODEL wrapper sees, as ``comfy.samplers`` makes it for one positive prompt, or (with
+    ``shape.cfg_batch``) for the negative and the positive batched together."""
     import comfy.patcher_extension as pe
     import comfy.samplers
 
@@ -124,6 +136,8 @@ def _model_call(patched, shape: Shape):
         raise CannotPreview(f"the text width of this {type(base).__name__} model is not in its config "
                             f"({e!r})") from None
     dev = patched.load_device
+    prompts = 2 if shape.cfg_batch else 1  # cond and uncond in one call, as the sampler batches them
+    shape = dataclasses.replace(shape, batch=shape.model_batch)
     x = torch.zeros(_latent(base.latent_format, shape), device=dev)
     cond = {"cross_attn": torch.zeros(1, fam.tokens, width), "model_conds": {}}
     # a text encode's conditioning always has the key; encoders without a pooled vector give None
@@ -143,7 +157,9 @@ def _model_call(patched, shape: Shape):
         pe.merge_nested_dicts(options.setdefault(name, {}), getattr(patched, name, {}), copy_dict1=False)
     # the sampler's sigmas are their own tensor beside the timestep it concatenates for the batch;
     # its step schedule ("sample_sigmas", steps + 1 floats) is not known here and stays out
-    options.update(cond_or_uncond=[0], uuids=[None], sigmas=t.clone())
+    # (the sampler's sigmas are the latent batch's, not the batched call's)
+    options.update(cond_or_uncond=[1, 0][-prompts:], uuids=[None] * prompts,
+                   sigmas=t[: shape.batch // prompts].clone())
     return base.apply_model, (x, t), dict(kwargs, transformer_options=options)
 
 
@@ -151,6 +167,8 @@ def traced_at(kind: str, shape: Shape) -> str:
     """What a preview of ``kind`` was traced at, as the node says it."""
     if kind == "CLIP":  # a text encoder's call does not depend on the image shape
         return "an empty prompt"
+    if kind == "MODEL":
+        return f"{shape.label} (×2: cond + uncond)" if shape.cfg_batch else f"{shape.label} (CFG 1: one prompt)"
     return f"{shape.label} (decode)" if kind == "VAE" else shape.label
 
 

@@ -17,7 +17,7 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, cost_to_json, fmt_bytes, gib_text, host_to_device,
+from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, cost_to_json, gib_text, host_to_device,
                             signature)
 from .compiler import compiler_off
 from .devices import Devices, device_name
@@ -32,7 +32,7 @@ EVENT = "vramcut.plan"     # server event the web extension listens to
 MODES = ("fixed", "free VRAM minus reserve")
 
 __all__ = ["KEY", "EVENT", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "NodeReport", "PatchState", "Previewed",
-           "state_of"]
+           "inputs_text", "state_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Settings:
             free = int((free_memory or mm.get_free_memory)(device))
             b = free - int(self.reserve_gb * GIB)
             if b <= 0:
-                raise VRAMCutError(f"free VRAM {fmt_bytes(free)} minus reserve {self.reserve_gb} GiB leaves no budget")
+                raise VRAMCutError(f"free VRAM {free / GIB:.3f} GiB minus reserve {self.reserve_gb:.3f} GiB leaves no budget")
             b = min(b, int(self.max_vram_gb * GIB))  # max_vram_gb caps it (0 is off: never here)
         if b <= 0 and self.max_vram_gb > 0:
             raise VRAMCutError(f"max_vram_gb = {self.max_vram_gb:g} is less than one byte: give the budget in "
@@ -103,6 +103,51 @@ class Previewed(Exception):
         self.engine, self.plan = engine, plan
 
 
+def _budget_figures(error: Exception | None) -> dict:
+    """The budget that would work, where the error knows it (the node offers it as the fix):
+    ``min_budget_bytes`` (the smallest budget, or a lower bound: ``min_budget_exact``) and
+    ``need_bytes`` (what one unit alone needs)."""
+    out = {}
+    for key in ("min_budget_bytes", "need_bytes"):
+        v = getattr(error, key, None)
+        if isinstance(v, int) and v > 0:
+            out[key] = v
+    if "min_budget_bytes" in out:
+        out["min_budget_exact"] = bool(getattr(error, "exact", False))
+    return out
+
+
+def _size(shape: tuple) -> str:
+    """The spatial size of a latent or an image (the last two dimensions): "64×64"."""
+    return "×".join(str(s) for s in shape[-2:])
+
+
+def inputs_text(kind: str, sig: tuple) -> str | None:
+    """The call's inputs as a user knows them ("latent 64×64, batch 2 · text 77 tokens · 20
+    steps"), from the engine's signature (tensor paths, shapes, dtypes): the adapter knows which
+    argument of each model's call is which; the engine's own description stays generic. None
+    when nothing is recognised."""
+    by = {p: shape for p, shape, _ in sig}
+    parts = []
+    if kind == "CLIP":
+        n = max((shape[1] for p, shape, _ in sig if p.startswith("tokens") and len(shape) == 2), default=None)
+        return f"text {n} tokens" if n else None
+    x = by.get("arg0") or by.get("x") or by.get("samples")
+    if x is not None and len(x) >= 3:
+        # a VAE decodes a latent and encodes an image (three channels)
+        what = {"MODEL": "latent", "VAE": "image" if x[1] == 3 else "latent"}.get(kind, "image")
+        frames = f", {x[2]} frames" if len(x) == 5 else ""
+        parts.append(f"{what} {_size(x)}{frames}, batch {x[0]}")
+    if kind == "MODEL":
+        ctx = by.get("c_crossattn") or by.get("context") or by.get("arg3") or by.get("arg2")
+        if ctx is not None and len(ctx) == 3:
+            parts.append(f"text {ctx[1]} tokens")
+        sigmas = next((shape for p, shape, _ in sig if p.endswith("sample_sigmas")), None)
+        if sigmas and sigmas[0] > 1:
+            parts.append(f"{sigmas[0] - 1} steps")
+    return " · ".join(parts) or None
+
+
 class NodeReport:
     """The payload one Max VRAM node shows: one entry per patched model, updated live."""
 
@@ -122,8 +167,10 @@ class NodeReport:
         # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
         d["plan"]["cost"] = cost_to_json(d["plan"], host_to_device(engine.device))
         _per_device_answer(d["plan"])
+        sig = engine.last_signature if d["signature"] else None
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
-                 "signature": d["signature"], "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
+                 "signature": d["signature"], "inputs": inputs_text(kind, sig) if sig else None,
+                 "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
                  "verify": d.get("verify") or []}
         if traced_at is not None:
             entry.update(stage="traced", traced_at=traced_at)
@@ -142,17 +189,32 @@ class NodeReport:
 
     def fail(self, message: str, error: Exception | None = None, kind: str | None = None) -> None:
         """The node's state becomes the error; ``kind``: the model whose call was refused (its
-        entry is marked ``refused``, so the node does not show the plan drawn before the run)."""
-        self.payload["message"], self.payload["message_level"] = message, "error"
-        if kind in self._index:
-            self.payload["models"][self._index[kind]]["refused"] = True
-        # the budget that would work, when the error knows it (the node offers it as the fix)
-        for key, attr in (("min_budget_bytes", "min_budget_bytes"), ("need_bytes", "need_bytes")):
-            v = getattr(error, attr, None)
-            if isinstance(v, int) and v > 0:
-                self.payload[key] = v
-        if self.payload.get("min_budget_bytes"):  # the smallest budget that works, or a lower bound
-            self.payload["min_budget_exact"] = bool(getattr(error, "exact", False))
+        entry is marked ``refused`` and carries its own smallest budget, so the node does not show
+        the plan drawn before the run). With several refused models the node's message is each
+        one's, and its figure the largest: each model gets the whole budget in turn, so that one
+        number makes every connected model fit."""
+        figures = _budget_figures(error)
+        entry = self.payload["models"][self._index[kind]] if kind in self._index else None
+        if entry is None:
+            self.payload["message"], self.payload["message_level"] = message, "error"
+            self.payload.update(figures)
+            self.send()
+            return
+        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact"):
+            entry.pop(key, None)
+        entry.update(refused=True, message=message, **figures)
+        refused = [m for m in self.payload["models"] if m.get("refused")]
+        self.payload["message"], self.payload["message_level"] = "; ".join(m["message"] for m in refused), "error"
+        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact"):
+            self.payload.pop(key, None)
+        mins = [m["min_budget_bytes"] for m in refused if "min_budget_bytes" in m]
+        needs = [m["need_bytes"] for m in refused if "min_budget_bytes" not in m and "need_bytes" in m]
+        if mins:
+            self.payload["min_budget_bytes"] = max(mins)
+            # the smallest for all only when each one's is the smallest for it
+            self.payload["min_budget_exact"] = not needs and all(m.get("min_budget_exact") for m in refused)
+        if needs:
+            self.payload["need_bytes"] = max(needs)
         self.send()
 
     def notice(self, message: str) -> None:

@@ -64,12 +64,10 @@ class BudgetError(ValueError):
     def __init__(self, unit: str, need_bytes: int, budget_bytes: int, detail: str = "", *,
                  kind: str = "weights", min_budget_bytes: int | None = None, exact: bool = False,
                  message: str | None = None, bound: str = WEIGHTS_ALONE) -> None:
-        from .tensors import fmt_bytes
-
         self.unit, self.need_bytes, self.budget_bytes = unit, need_bytes, budget_bytes
         self.kind, self.min_budget_bytes, self.exact = kind, min_budget_bytes, exact
-        msg = message or (f"VRAM budget {fmt_bytes(budget_bytes)} is too small: unit '{unit}' needs "
-                          f"{fmt_bytes(need_bytes)} on the device")
+        msg = message or (f"VRAM budget {budget_gib(budget_bytes)} is too small: unit '{unit}' needs "
+                          f"{need_gib(need_bytes)} on the device")
         msg += f" ({detail})" if detail else ""
         if min_budget_bytes is not None:
             msg += "; " + min_budget_text(min_budget_bytes, exact, bound)
@@ -262,17 +260,16 @@ def budget_error(unit: str, budget: int, *, kind: str, weight_bytes: int, activa
                  ) -> BudgetError:
     """The one place a budget error's text is built. ``weight_bytes`` are the weights that must be
     on the device beside ``activation_bytes`` (None: not known); ``min_budget_bytes`` is exact, or a
-    lower bound (``exact`` False) for the reason ``bound`` (``WEIGHTS_ALONE``, ``STOPPED``)."""
-    from .tensors import fmt_bytes
-
+    lower bound (``exact`` False) for the reason ``bound`` (``WEIGHTS_ALONE``, ``STOPPED``).
+    Every figure is in GiB at the widget's three decimals, as the budget it stands beside."""
     act = activation_bytes or 0
     if kind == "activations":
-        msg = (f"VRAM budget {fmt_bytes(budget)} is too small for this input shape: its activations need "
-               f"{fmt_bytes(act)} (unit '{unit}'), beside {fmt_bytes(weight_bytes)} of weights")
+        msg = (f"VRAM budget {budget_gib(budget)} is too small for this input shape: its activations need "
+               f"{need_gib(act)} (unit '{unit}'), beside {need_gib(weight_bytes)} of weights")
     else:
-        msg = (f"VRAM budget {fmt_bytes(budget)} is too small: unit '{unit}' needs "
-               f"{fmt_bytes(weight_bytes)} of weights on the device"
-               + (f", {fmt_bytes(weight_bytes + act)} with the activations" if activation_bytes is not None else ""))
+        msg = (f"VRAM budget {budget_gib(budget)} is too small: unit '{unit}' needs "
+               f"{need_gib(weight_bytes)} of weights on the device"
+               + (f", {need_gib(weight_bytes + act)} with the activations" if activation_bytes is not None else ""))
     return BudgetError(unit, weight_bytes + act, budget, detail, kind=kind,
                        min_budget_bytes=min_budget_bytes, exact=exact, message=msg, bound=bound)
 
@@ -543,6 +540,18 @@ def gib_text(n: int) -> str:
     while gib_to_bytes(text(k)) < n:  # the text read back, float rounding included
         k += 1
     return text(k)
+
+
+def budget_gib(n: int) -> str:
+    """A budget in a message, at the widget's three decimals: "2.250 GiB" (in bytes where that
+    would read 0.000: a budget below the widget's precision)."""
+    return f"{n / 1024**3:.3f} GiB" if n >= GIB_ROUND / 2 * 1024**3 else f"{n} B"
+
+
+def need_gib(n: int) -> str:
+    """What something needs, beside a budget: rounded up at the widget's precision ("2.248 GiB"),
+    so the need and the budget that holds it read the same."""
+    return f"{gib_text(n)} GiB" if n > 0 else "0.000 GiB"
 
 
 def gib_to_bytes(gib) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .plan import Plan
+from .plan import Plan, budget_gib, need_gib
 from .tensors import fmt_bytes
 
 
@@ -98,8 +98,9 @@ def time_to_json(plan: Plan, steady: RunStats | None = None) -> dict | None:
 
 
 def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
-    """What the plan costs, for the node's answer line: does it fit, how many blocks stream, and
-    the time streaming adds per forward (one sampling step runs one forward per batch).
+    """What the plan costs, for the node's answer line: does it fit, how many blocks stream (and,
+    where blocks were cut finer, how many parts), and the time streaming adds per call (one
+    forward of the model: with CFG a sampling step is usually one call of batch 2).
 
     ``plan_json`` is ``plan_to_json``'s output (its ``stats`` when a run measured them);
     ``bandwidth`` is ``bandwidth.host_to_device``'s answer. The added time is *measured* when
@@ -111,6 +112,13 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
     streamed segment is one copy; None for a plan from an older version)."""
     segs = plan_json.get("segments") or []
     streamed = [s for s in segs if not s.get("resident") and not s.get("idle")]
+    # the node's words: a block is where the model is cut; a block that alone does not fit the
+    # budget is cut finer into parts (the plan's units are then parts, its ``split`` those blocks)
+    split = sorted(plan_json.get("split") or [], key=len)
+    block_of = lambda unit: next((b for b in split if unit.startswith(f"{b}.")), unit)  # noqa: E731
+    units = [u for s in segs for u in (s.get("units") or [])]
+    streamed_units = [u for s in streamed for u in (s.get("units") or [])]
+    parted = any(block_of(u) != u for u in units)
     stats = (plan_json["steady_stats"] if "steady_stats" in plan_json else plan_json.get("stats")) or {}
     forwards = int(stats.get("forwards") or 0)
     bps = (bandwidth or {}).get("bytes_per_s")
@@ -118,8 +126,10 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
     out = {
         "fits": plan_json.get("peak_bytes", 0) <= plan_json.get("budget_bytes", 0),
         "peak_is_lower_bound": plan_json.get("activation_reserve_bytes") is None,
-        "blocks": sum(len(s.get("units") or []) for s in segs),
-        "blocks_streamed": sum(len(s.get("units") or []) for s in streamed),
+        "blocks": len({block_of(u) for u in units}),
+        "blocks_streamed": len({block_of(u) for u in streamed_units}),
+        "parts": len(units) if parted else 0,           # 0: no block was cut finer
+        "parts_streamed": len(streamed_units) if parted else 0,
         "streamed_bytes_per_forward": sbytes,
         "transfers_per_forward": plan_json.get("transfers_per_forward"),
         "bandwidth_bytes_per_s": bps,
@@ -174,29 +184,30 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     out += [line(r) for r in rows]
     act = plan.activation_reserve_bytes
     out.append("")
-    out.append(f"budget {fmt_bytes(plan.budget_bytes)} · peak {fmt_bytes(plan.peak_bytes)} = resident "
+    out.append(f"budget {budget_gib(plan.budget_bytes)} · peak {need_gib(plan.peak_bytes)} = resident "
                f"{fmt_bytes(plan.resident_bytes)} + window {plan.slots}×{fmt_bytes(plan.slot_bytes)} + "
                f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
     if plan.source is not None:
         out.append(f"activations {plan.source}: " + (
-            ("a dry run on fake tensors gave them before the first forward, which measured them"
+            ("a dry run on fake tensors gave them before the first call, which measured them"
              if stats is not None and stats.forwards else
-             "a dry run on fake tensors gave them; no weight has moved and no forward has run yet")
-            if plan.source == "traced" else "the dry run could not run: the first forward measured them"))
+             "a dry run on fake tensors gave them; no weight has moved and no call has run yet")
+            if plan.source == "traced" else "the dry run could not run: the first call measured them"))
+    # the node's words: a call is one forward of the model; a copy, one streamed segment sent
     t = plan.transfers_per_forward
-    out.append(f"streamed per forward {fmt_bytes(plan.streamed_bytes_per_forward)} in {t} "
-               f"transfer{'' if t == 1 else 's'} · "
+    out.append(f"streamed per call {fmt_bytes(plan.streamed_bytes_per_forward)} in {t} "
+               f"cop{'y' if t == 1 else 'ies'} · "
                + " · ".join(f"{wheres.count(w)} {w}" for w in ("resident", "streamed", "idle")
                             if w != "idle" or "idle" in wheres) + " segments")
     if plan.split:
-        out.append("cut finer to fit: " + ", ".join(plan.split))
+        out.append("blocks cut into parts to fit: " + ", ".join(plan.split))
     for w in plan.warnings:
         out.append(f"warning: {w}")
     if stats is not None and stats.forwards:
-        out.append(f"measured: {stats.forwards} forward(s), streamed {fmt_bytes(stats.bytes_streamed)}, "
+        out.append(f"measured: {stats.forwards} call(s), streamed {fmt_bytes(stats.bytes_streamed)}, "
                    f"peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f}s, "
                    f"wait {stats.time_wait_s:.3f}s, compute {stats.time_compute_s:.3f}s"
-                   + (" (the measuring forward included)" if steady is not None else ""))
+                   + (" (the measuring call included)" if steady is not None else ""))
     tj = time_to_json(plan, steady)
     if tj is not None:
         ratio = f"{tj['predicted_s'] / tj['resident_s']:.2f}× resident" if tj["resident_s"] > 0 else "resident 0 s"
@@ -206,11 +217,11 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
             line += f"; measured {tj['measured_s']:.3f} s (error {100 * tj['error']:+.1f} %)"
         out.append(line)
     if plan.refit is not None:
-        out.append(f"planned again for {fmt_bytes(plan.refit.budget_bytes)} (was "
-                   f"{fmt_bytes(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
+        out.append(f"planned again for {budget_gib(plan.refit.budget_bytes)} (was "
+                   f"{budget_gib(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
     if steady is not None and steady.forwards:
         n = steady.forwards
-        out.append(f"per forward after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "
+        out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "
                    f"{steady.copies / n:g} cop{'y' if steady.copies == n else 'ies'}, wait {steady.time_wait_s / n:.3f}s")
     return "\n".join(out)
 

@@ -45,8 +45,8 @@ def traces(monkeypatch, pack):
     return calls
 
 
-def shape(pack, width, height, frames=1, batch=1):
-    (s,), _ = run_node(pack, "VRAMCutPreviewShape", "9", width=width, height=height, frames=frames, batch=batch)
+def shape(pack, width, height, frames=1, batch=1, **more):
+    (s,), _ = run_node(pack, "VRAMCutPreviewShape", "9", width=width, height=height, frames=frames, batch=batch, **more)
     return s
 
 
@@ -81,7 +81,8 @@ def previewed(pack, max_vram, gb, slot, model, shp):
     patched = outs[("model", "clip", "vae").index(slot)]
     assert payload["message"] is None, payload["message"]
     (entry,) = payload["models"]
-    label = {"model": shp.label, "vae": f"{shp.label} (decode)", "clip": "an empty prompt"}[slot]
+    model = f"{shp.label} (×2: cond + uncond)" if shp.cfg_batch else f"{shp.label} (CFG 1: one prompt)"
+    label = {"model": model, "vae": f"{shp.label} (decode)", "clip": "an empty prompt"}[slot]
     assert entry["stage"] == "traced" and entry["traced_at"] == label
     assert entry["plan"]["source"] == "traced" and entry["plan"]["measured"]
     eng = engine(pack, patched)
@@ -167,12 +168,15 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_model_preview_is_the_plan_the_first_run_uses(comfy, pack, max_vram, traces, family):
+@pytest.mark.parametrize("family,cfg", [(f, 2.0) for f in sorted(MODELS)] + [("BaseModel", 1.0)])
+def test_model_preview_is_the_plan_the_first_run_uses(comfy, pack, max_vram, traces, family, cfg):
+    """By default the preview is the call a sampler with CFG above 1 makes (the positive and the
+    negative prompt in one call of twice the batch); with cfg_batch off, the call of CFG 1."""
     load, conditioning, latent, (w, h, f) = MODELS[family]
     model = load()
     assert type(model.model).__name__ == family
-    shp = shape(pack, w, h, f)
+    shp = shape(pack, w, h, f) if cfg > 1 else shape(pack, w, h, f, cfg_batch=False)
+    assert shp.cfg_batch == (cfg > 1)
     gb = _budget(pack, max_vram, "model", model, shp)
     before = tensors(model.model.diffusion_model)
     patched, entry, eng = previewed(pack, max_vram, gb, "model", model, shp)
@@ -197,7 +201,7 @@ def test_model_preview_is_the_plan_the_first_run_uses(comfy, pack, max_vram, tra
     pos, neg = conditioning()
     outs, _ = max_vram(gb, model=model, node_id="3")
     steps = 1
-    tm.sample(outs[0], pos, neg, latent, steps=steps, cfg=1.0)
+    tm.sample(outs[0], pos, neg, latent, steps=steps, cfg=cfg)
     eng3 = engine(pack, outs[0])
     (real_sig,) = eng3.traces
     assert [e for e in real_sig if e not in sig] == [("arg5.sample_sigmas", (steps + 1,), "torch.float32")]
@@ -262,7 +266,8 @@ def test_image_model_with_frames_is_said_on_the_node(comfy, pack, max_vram):
     model = tm.load_tiny_sd3()
     _, payload = max_vram(1.0, model=model, preview_shape=shape(pack, 128, 128, frames=9))
     assert payload["message_level"] == "notice"
-    assert payload["message"] == ("MODEL: no plan preview at 128×128×9 frames, batch 1 (an image model (SD3 latents) "
+    assert payload["message"] == ("MODEL: no plan preview at 128×128×9 frames, batch 1 (×2: cond + uncond) "
+                                  "(an image model (SD3 latents) "
                                   "takes no frames: set frames to 1); the plan shown is the weights estimate")
     assert payload["models"][0]["stage"] == "weights"
 
@@ -271,7 +276,8 @@ def test_a_family_whose_inputs_cannot_be_built_is_said_on_the_node(comfy, pack, 
     monkeypatch.delitem(pack.nodes.preview._FAMILIES, "WAN21")
     _, payload = max_vram(1.0, model=tm.load_tiny_wan21(), preview_shape=shape(pack, 64, 64, frames=5))
     assert payload["message_level"] == "notice"
-    assert payload["message"].startswith("MODEL: no plan preview at 64×64×5 frames, batch 1 (the preview cannot "
+    assert payload["message"].startswith("MODEL: no plan preview at 64×64×5 frames, batch 1 (×2: cond + uncond) "
+                                         "(the preview cannot "
                                          "build the inputs of WAN21 models yet"), payload["message"]
     assert payload["models"][0]["stage"] == "weights"
 
@@ -283,3 +289,36 @@ def test_upscale_models_are_not_previewed_and_say_so(comfy, pack):
     payload = ui["vramcut"][0]
     assert "UPSCALE_MODEL: no plan preview at 64×64, batch 1" in payload["message"]
     assert payload["models"][0]["stage"] == "weights"
+
+
+def test_each_refused_model_carries_its_own_budget_and_the_node_the_largest(comfy, pack, max_vram):
+    """A MODEL and a VAE both refused at one budget: each model's entry names its own smallest
+    budget, and the node's figure (the banner's and the collapsed title's) is the largest, the
+    one budget that makes both fit (each model gets the whole budget in turn)."""
+    model, vae = built("BaseModel"), tm.load_tiny_vae(seed=0)
+    shp = shape(pack, 128, 128)
+    _, payload = max_vram(1 / 1024, model=model, vae=vae, preview_shape=shp)
+    entries = {m["kind"]: m for m in payload["models"]}
+    assert entries["MODEL"]["refused"] and entries["VAE"]["refused"], payload
+    mins = {k: m["min_budget_bytes"] for k, m in entries.items()}
+    assert mins["MODEL"] != mins["VAE"], mins
+    assert payload["min_budget_bytes"] == max(mins.values()), (payload["min_budget_bytes"], mins)
+    assert payload["min_budget_exact"] is all(m["min_budget_exact"] for m in entries.values())
+    assert "MODEL" in payload["message"] and "VAE" in payload["message"], payload["message"]
+    # each alone at its own figure is not refused
+    for kind, slot, obj in (("MODEL", "model", model), ("VAE", "vae", vae)):
+        _, alone = max_vram(mins[kind] / GIB + 0.001, **{slot: obj}, preview_shape=shp, node_id="5")
+        assert alone["message_level"] != "error", (kind, alone["message"])
+
+
+def test_the_node_names_a_calls_inputs_as_a_user_knows_them(pack):
+    """The engine's signature (tensor paths) read as the user knows the inputs."""
+    inputs_text = pack.nodes.state.inputs_text
+    sig = (("arg0", (2, 4, 64, 64), "torch.float32"), ("arg1", (2,), "torch.float32"),
+           ("c_crossattn", (2, 77, 768), "torch.float32"),
+           ("arg5.sample_sigmas", (21,), "torch.float32"))
+    assert inputs_text("MODEL", sig) == "latent 64×64, batch 2 · text 77 tokens · 20 steps"
+    assert inputs_text("VAE", (("arg0", (1, 4, 64, 64), "torch.float16"),)) == "latent 64×64, batch 1"
+    assert inputs_text("VAE", (("arg0", (1, 3, 512, 512), "torch.float16"),)) == "image 512×512, batch 1"
+    assert inputs_text("CLIP", (("tokens.l", (1, 77), "tokens"),)) == "text 77 tokens"
+    assert "arg" not in inputs_text("MODEL", sig)

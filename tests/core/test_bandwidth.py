@@ -100,3 +100,18 @@ def test_cost_after_a_run_leaves_the_measuring_forward_out():
 
     only_measuring = cost_to_json(plan_to_json(plan, everything, RunStats()), BW)
     assert only_measuring["added_source"] == "estimate" and only_measuring["measured_forwards"] == 0
+
+
+def test_cost_counts_blocks_cut_into_parts_as_their_blocks():
+    """The node's words: a block cut finer to fit (the plan's ``split``) still counts as one block,
+    its pieces as parts; a plan with nothing cut has no parts."""
+    pj = plan_to_json(_plan(400 * MB))
+    assert cost_to_json(pj, BW)["parts"] == 0
+    pj["split"] = ["blocks.3"]
+    for s in pj["segments"]:
+        s["units"] = [u for name in s["units"] for u in ([f"{name}.0", f"{name}.1"] if name == "blocks.3" else [name])]
+    c = cost_to_json(pj, BW)
+    assert c["blocks"] == 10 and c["parts"] == 11
+    streamed = [u for s in pj["segments"] if not s["resident"] and not s["idle"] for u in s["units"]]
+    assert c["parts_streamed"] == len(streamed)
+    assert c["blocks_streamed"] == len({u.rsplit(".", 1)[0] if u.startswith("blocks.3.") else u for u in streamed})

@@ -86,7 +86,7 @@ def test_plan_cli_on_a_24_gb_header_only_file(tmp_path, capsys):
     assert out["streamed_bytes_per_forward"] > 0
     rc = main(["plan", str(path), "--max-vram", "6"])
     text = capsys.readouterr().out
-    assert rc == 0 and "streamed per forward" in text and "double_blocks." in text and " transfers · " in text
+    assert rc == 0 and "streamed per call" in text and "double_blocks." in text and " copies · " in text
 
 
 def test_plan_cli_matches_real_safetensors_file(tmp_path):

@@ -94,7 +94,8 @@ def test_infeasible_raises_clear_error_naming_unit_bytes_and_budget():
     with pytest.raises(BudgetError) as e:
         make_plan(units, 110 * MB)
     msg = str(e.value)
-    assert "blocks.0" in msg and "110.0 MiB" in msg and "120.0 MiB" in msg and "cannot be cut finer" in msg
+    # the budget and the need at the widget's three decimals (110 MiB = 0.107 GiB; 120 MiB rounds up)
+    assert "blocks.0" in msg and "0.107 GiB" in msg and "0.118 GiB" in msg and "cannot be cut finer" in msg
     assert e.value.unit == "blocks.0" and e.value.need_bytes == 120 * MB
 
 
@@ -246,7 +247,7 @@ def test_report_json_keys_and_text():
     unmeasured = build_plan([PlanUnit(u.name, u.weight_bytes) for u in units], 400 * MB)
     assert all(u["activation_bytes"] is None for u in plan_to_json(unmeasured)["units"])
     text = plan_to_text(plan)
-    assert "resident" in text and "streamed" in text and "budget 400.0 MiB" in text
+    assert "resident" in text and "streamed" in text and "budget 0.391 GiB" in text
 
 
 def test_report_text_counts_idle_segments_apart_from_streamed():
@@ -259,5 +260,5 @@ def test_report_text_counts_idle_segments_apart_from_streamed():
     counts = {w: sum(1 for s in segs if (s["resident"] and w == "resident") or (not s["resident"] and s["idle"] and w == "idle")
                      or (not s["resident"] and not s["idle"] and w == "streamed")) for w in ("resident", "streamed", "idle")}
     assert counts["idle"] >= 1 and counts["streamed"] >= 1, segs
-    footer = next(line for line in plan_to_text(plan).splitlines() if line.startswith("streamed per forward"))
+    footer = next(line for line in plan_to_text(plan).splitlines() if line.startswith("streamed per call"))
     assert footer.endswith(f"{counts['resident']} resident · {counts['streamed']} streamed · {counts['idle']} idle segments"), footer

@@ -667,7 +667,8 @@ def test_live_measured_plan_is_drawn_during_a_real_run(comfy_server, browser):
     assert int(d["segments"]) == int(d["resident"]) + int(d["streamed"]) + int(d["idle"]), d
     (label,) = st["labels"]
     assert label.startswith("VAE"), label
-    for part in ("decoder.up.3", "encoder.mid", "idle", "measured:", "1x4x8x8"):
+    # the table names the input as a user knows it (the latent's size), not the engine's "arg0 1x4x8x8"
+    for part in ("decoder.up.3", "encoder.mid", "idle", "measured:", "latent 8×8, batch 1"):
         assert part in st["text"], (part, st["text"])
     assert st["stored"] is None, "the plan was written into the workflow (node.properties)"
     # during this run the node was drawn as weights, then measured, never back; the measured

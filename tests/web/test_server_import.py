@@ -93,4 +93,5 @@ def test_saved_example_workflow_runs(comfy_server):
     entry = _run(comfy_server, prompt)
     (payload,) = entry["outputs"][ours]["vramcut"]
     assert [m["kind"] for m in payload["models"]] == ["MODEL"] and payload["message"] is None, payload
-    assert payload["models"][0]["stage"] == "traced" and payload["models"][0]["traced_at"] == "64×64, batch 1"
+    # the example previews the MODEL as a sampler with CFG above 1 runs it (cond and uncond batched)
+    assert payload["models"][0]["stage"] == "traced" and payload["models"][0]["traced_at"] == "64×64, batch 1 (×2: cond + uncond)"

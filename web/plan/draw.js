@@ -8,8 +8,8 @@
 // and do nothing at import (ComfyUI also loads this file on its own as an extension script).
 
 import { asArray, summarize } from "./payload.js";
-import { answer, costTip, deviceRow, fmtBytes, gib, gibText, hopTexts, refitLine, refusal, refusalFor, segmentCounts, sharedPrefix,
-  shortSegmentName, timeLine } from "./format.js";
+import { answer, blockCount, copies, costTip, deviceRow, fmtBytes, gib, gibText, hopTexts, refitLine, refusal, refusalFor,
+  segmentContents, segmentCounts, sharedPrefix, shortSegmentName, timeLine } from "./format.js";
 import { COLORS, inkOn } from "./theme.js";
 import { groupLabels, labelChoices, pickLabels } from "./labels.js";
 import { fitText, makePen, roundRect, wrapText } from "./pen.js";
@@ -19,6 +19,8 @@ const READABLE_PX = 11;       // on-screen text size the low-zoom view aims for
 export const HEADER_H = 22;   // the header row (the buttons sit in it)
 const ACT_H = 22;             // the activation row above the segment bars (the tallest is this high)
 const ACT_MIN_H = 4;          // an activation, however small, stays visible
+const BANNER_LINES = 24;      // a message is shown whole (this only bounds a runaway one)
+const WARNING_LINES = 6;      // a warning too
 
 /**
  * Lays out and (when `paint`) draws the payload at css width W. Returns the height used and
@@ -129,7 +131,7 @@ function drawBanner(pen, msg, color, details, tip = msg, headline = null) {
   ctx.font = pen.font(13, 700);
   const head = headline ? wrapText(ctx, headline, W - 34, 2) : [];
   ctx.font = pen.font(12, headline ? 500 : 600);
-  const lines = wrapText(ctx, msg, W - 34, details ? 8 : headline ? 3 : 4);
+  const lines = wrapText(ctx, msg, W - 34, BANNER_LINES); // whole: the node grows to hold it
   const h = Math.max(26, head.length * 16 + lines.length * 15 + 10);
   if (pen.paint) {
     ctx.save();
@@ -210,7 +212,7 @@ function drawModel(pen, m, idx, payloadBudget, details, refused = null) {
     pen.y += 3;
     return;
   }
-  const prefix = drawSegments(pen, m.plan.segments, budget);
+  const prefix = drawSegments(pen, m.plan, budget);
   drawCounts(pen, m, prefix);
   drawWarnings(pen, m.warnings);
   pen.regions.push({ x: 0, y: top, w: pen.W, h: pen.y - top, tip: m.label, section: true });
@@ -237,7 +239,7 @@ function drawTitle(pen, m, refused = null) {
   const rows = wrapText(ctx, m.label, W - bw - 8, 3);
   rows.forEach((l, i) => pen.text(l, 0, y + 9 + i * 15, theme.strong, pen.font(12, 600), "left", null, "label"));
   pen.tip(W - bw, y, bw, 18, refused ? "The run was refused: this budget cannot hold it. The banner says which budget works."
-    : measured ? `Measured for input ${m.signature ?? "(this shape)"}: activations and time come from a real run.`
+    : measured ? `Measured for ${m.inputs ?? "this input"}: activations and time come from a real call.`
     : traced ? `Traced at ${m.traced_at}: activations from a dry run on fake tensors; no weight moved. The first real run measures them.`
     : "Estimate: weights are exact, activations and time are estimated until the first run.");
   pen.y += 21 + (rows.length - 1) * 15;
@@ -277,7 +279,9 @@ function drawAnswer(pen, m, a) {
     }
   });
   pen.y += 18;
-  pen.tip(0, answerTop, W, pen.y - answerTop, a.refused ? "Refused: the budget is too small for this run." : costTip(m));
+  pen.tip(0, answerTop, W, pen.y - answerTop, a.refused
+    ? `Refused: ${m.kind} alone needs ${a.need ? `${gibText(a.need)} GiB` : "more"}; the banner's budget holds every connected model (each gets the whole budget in turn).`
+    : costTip(m));
 }
 
 /** A line of its own under the answer (the time line, a re-plan), wrapped whole. */
@@ -390,9 +394,13 @@ function drawWarningLine(pen, warnings) {
   const { ctx, W } = pen;
   ctx.font = pen.font(12, 600);
   const wt = warnings.length === 1 ? `⚠ ${warnings[0]}` : `⚠ ${warnings.length} warnings: open details`;
-  pen.text(fitText(ctx, wt, W), 0, pen.y + 8, pen.theme.warning, pen.font(12, 600));
-  pen.tip(0, pen.y, W, 16, warnings.join("\n"));
-  pen.y += 17;
+  const top = pen.y;
+  for (const l of wrapText(ctx, wt, W, WARNING_LINES)) {
+    pen.text(l, 0, pen.y + 8, pen.theme.warning, pen.font(12, 600), "left", null, "warning");
+    pen.y += 15;
+  }
+  pen.tip(0, top, W, pen.y - top, warnings.join("\n"));
+  pen.y += 2;
 }
 
 /**
@@ -401,8 +409,9 @@ function drawWarningLine(pen, warnings) {
  * compare with each other; the tooltip gives the bytes).
  * Returns the name prefix the labels dropped.
  */
-function drawSegments(pen, segs, budget) {
+function drawSegments(pen, plan, budget) {
   const { ctx, W, theme } = pen;
+  const segs = plan.segments;
   const maxAct = Math.max(0, ...segs.map((s) => Number(s.activation_bytes) || 0));
   const actH = maxAct > 0 ? ACT_H : 0;
   const wH = 20;
@@ -436,16 +445,19 @@ function drawSegments(pen, segs, budget) {
       pen.rect(sx, y + actH - 1 - h, drawW, h, COLORS.activation);
     }
     if (labels[i]) pen.text(labels[i], sx + 3, y + actH + wH / 2, inkOn(color), labelFont, "left", color, "segment");
-    const nUnits = asArray(s.units).length;
-    const where = s.resident ? "resident" : s.idle ? "idle (not run)" : "streamed each step";
+    const where = s.resident ? "resident" : s.idle ? "idle (this call never enters it: never copied)" : "streamed: one copy each call";
     pen.tip(sx, y, sw, actH + wH,
-      `${names[i]} · ${where}\n${fmtBytes(wb)} weights · ${s.activation_bytes == null ? "activations not measured" : `${fmtBytes(av)} activations`}` +
-      (nUnits > 1 ? ` · ${nUnits} blocks` : ""));
+      `${names[i]} · ${where}\n${segmentContents(plan, s)} · ${fmtBytes(wb)} weights · ` +
+      (s.activation_bytes == null ? "activations not measured" : `${fmtBytes(av)} activations`));
     if (pen.paint) pen.bars.push({ x: sx, y: y + actH, w: drawW, h: wH, color, label: labels[i], name: names[i] });
     sx += sw;
   });
   for (const g of groups) {
     const x0 = widths.slice(0, g.from).reduce((a, b) => a + b, 0);
+    // the label runs across the group's dividers: fill them under it, so none cuts a letter
+    ctx.font = labelFont;
+    const span = Math.min(ctx.measureText(g.text).width + 6, widths.slice(g.from, g.to + 1).reduce((a, b) => a + b, 0) - gap);
+    pen.rect(x0, y + actH, span, wH, colors[g.from]);
     pen.text(g.text, x0 + 3, y + actH + wH / 2, inkOn(colors[g.from]), labelFont, "left", colors[g.from], "segment");
     if (pen.paint) pen.bars.push({ x: x0, y: y + actH, w: widths.slice(g.from, g.to + 1).reduce((a, b) => a + b, 0) - gap,
       h: wH, color: colors[g.from], label: g.text, name: `${g.text}.*`, group: true });
@@ -459,12 +471,12 @@ function drawSegments(pen, segs, budget) {
  * part whole. */
 function drawCounts(pen, m, prefix) {
   const nCopies = Number(m.plan.transfers_per_forward);
-  let counts = `${prefix ? `${prefix}* · ` : ""}${segmentCounts(m.plan)}` +
-    (Number.isFinite(nCopies) && nCopies > 0 ? ` · ${nCopies} transfer${nCopies === 1 ? "" : "s"} per forward` : "");
+  let counts = `${prefix ? `${prefix}* · ` : ""}${blockCount(m.plan)} in ${segmentCounts(m.plan)}` +
+    (Number.isFinite(nCopies) && nCopies > 0 ? ` · ${copies(nCopies)} per call` : "");
   if (m.traced_at) counts += ` · traced at ${m.traced_at}`;
-  else if (m.signature) counts += ` · ${m.signature}`;
+  else if (m.inputs) counts += ` · measured at ${m.inputs}`;
   pen.ctx.font = pen.font(12);
-  for (const l of wrapText(pen.ctx, counts, pen.W, 4)) {
+  for (const l of wrapText(pen.ctx, counts, pen.W, WARNING_LINES)) {
     pen.text(l, 0, pen.y + 8, pen.theme.muted, pen.font(12), "left", null, "counts");
     pen.y += 16;
   }
@@ -475,10 +487,10 @@ function drawCounts(pen, m, prefix) {
 function drawWarnings(pen, warnings) {
   pen.ctx.font = pen.font(12, 600);
   for (const w of warnings) {
-    const lines = wrapText(pen.ctx, `⚠ ${w}`, pen.W, 3);
+    const lines = wrapText(pen.ctx, `⚠ ${w}`, pen.W, WARNING_LINES);
     const h0 = pen.y;
     for (const l of lines) {
-      pen.text(l, 0, pen.y + 8, pen.theme.warning, pen.font(12, 600));
+      pen.text(l, 0, pen.y + 8, pen.theme.warning, pen.font(12, 600), "left", null, "warning");
       pen.y += 15;
     }
     pen.tip(0, h0, pen.W, pen.y - h0, w);

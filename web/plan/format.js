@@ -1,10 +1,13 @@
 // Words and numbers: how the plan's figures read on the node, in its tooltips and its table.
 //
-// Owns the byte / GiB / time formats, the answer line ("fits · 0.21 / 0.30 GiB (70 %) · 5 of 7
-// blocks streamed · +12 ms / step"), the cost tooltip, the text table and the fix for a budget
-// that is too small. Rule: every figure shown is one Python sent (plan.cost from
-// vramcut_core/report.py cost_to_json), only formatted here; pure functions, nothing done at
-// import (ComfyUI also loads this file on its own as an extension script).
+// Owns the byte / GiB / time formats, the answer line ("fits · 0.210 / 0.300 GiB (70 %) · 5 of 7
+// blocks streamed · +12 ms / call"), the cost tooltip, the counts and the fix for a budget that is
+// too small. One vocabulary (the README's): a block is where the model is cut, a part a piece of
+// a block cut finer, a segment blocks or parts kept or copied together, a copy one segment sent
+// to the device, a call one forward of the model; budgets and needs at the widget's three
+// decimals. Rule: every figure shown is one Python sent (plan.cost from vramcut_core/report.py
+// cost_to_json), only formatted here; pure functions, nothing done at import (ComfyUI also loads
+// this file on its own as an extension script).
 
 import { asArray, isIdle, isStreamed, unitCount } from "./payload.js";
 
@@ -21,11 +24,10 @@ export function fmtBytes(n) {
   return `${n} B`;
 }
 
-/** GiB as the max_vram_gb widget speaks it: 2 decimals, 3 below 0.1 GiB. */
-export function gib(n, digits) {
+/** GiB as the max_vram_gb widget speaks it: three decimals. */
+export function gib(n, digits = 3) {
   if (n === null || n === undefined || !Number.isFinite(Number(n))) return "—";
-  const g = Number(n) / GIB;
-  return g.toFixed(digits ?? (Math.abs(g) < 0.1 ? 3 : 2));
+  return (Number(n) / GIB).toFixed(digits);
 }
 
 /** A max_vram_gb that holds `bytes`, written as Python's messages write it (plan.py gib_text:
@@ -48,6 +50,37 @@ function fmtSeconds(s) {
   if (s >= 0.095) return `${s.toFixed(2)} s`;
   if (s >= 0.0005) return `${(s * 1000).toFixed(s >= 0.01 ? 0 : 1)} ms`;
   return "0 s";
+}
+
+const plural = (n, one, many) => `${n} ${n === 1 ? one : many}`;
+
+/** "3 copies": a copy is one streamed segment sent to the device. */
+export function copies(n) {
+  return plural(n, "copy", "copies");
+}
+
+/** The block a unit belongs to: a unit of a block cut finer (the plan's `split`) is a part of it. */
+function blockOf(unit, split) {
+  return split.filter((b) => String(unit).startsWith(`${b}.`)).sort((a, b) => a.length - b.length)[0] ?? String(unit);
+}
+
+/** "27 blocks" or "27 blocks (cut into 112 parts)": what the model is cut into, in the node's words. */
+export function blockCount(plan) {
+  const units = plan.segments.flatMap((s) => asArray(s.units));
+  const split = asArray(plan.split);
+  const blocks = new Set(units.map((u) => blockOf(u, split))).size;
+  const parted = units.some((u) => blockOf(u, split) !== String(u));
+  return parted ? `${plural(blocks, "block", "blocks")} (cut into ${units.length} parts)` : plural(blocks, "block", "blocks");
+}
+
+/** A segment's contents in the node's words: "3 blocks", "1 block in 4 parts". */
+export function segmentContents(plan, seg) {
+  const units = asArray(seg.units);
+  const split = asArray(plan.split);
+  const blocks = new Set(units.map((u) => blockOf(u, split))).size;
+  const parted = units.some((u) => blockOf(u, split) !== String(u));
+  return parted ? `${plural(blocks, "block", "blocks")} in ${plural(units.length, "part", "parts")}`
+    : plural(blocks, "block", "blocks");
 }
 
 /** "1 resident · 3 streamed · 9 idle segments": the chart's and the table's one count, from the
@@ -95,17 +128,19 @@ export function answer(m, payloadBudget, refused = null) {
   const streamedBlocks = Number.isFinite(c.blocks_streamed) ? c.blocks_streamed
     : plan.segments.filter(isStreamed).reduce((n, s) => n + asArray(s.units).length, 0);
   const verdict = fits ? "fits" : "over budget";
-  const vram = `${lower ? "≥" : ""}${gib(peak, budget < 0.1 * GIB ? 3 : 2)} / ${gib(budget)} GiB (${pct(peak, budget)})`;
+  const vram = `${lower ? "≥" : ""}${gib(peak)} / ${gib(budget)} GiB (${pct(peak, budget)})`;
   const stream = streamedBlocks > 0 ? `${streamedBlocks} of ${blocks} blocks streamed` : `all ${blocks} blocks resident`;
   const source = c.added_source ?? null;
-  // a diffusion model runs one forward per sampling step; encoders and VAEs one per call
-  const per = m.kind === "MODEL" ? "step" : "call";
+  // one badge per plan: a measured plan whose time is only estimated says so without the word
+  // "estimate" beside its "measured" badge (the tooltip gives the estimate)
+  const timeMeasured = source === "measured";
   let time;
-  if (streamedBlocks === 0 && (source === null || source === "estimate")) time = `+0 s / ${per}`;
-  else if (source === "measured") time = `+${fmtSeconds(c.added_s_per_forward)} / ${per}`;
-  else if (source === "estimate") time = `+${fmtSeconds(c.added_s_per_forward)} / ${per} (estimate)`;
+  if (streamedBlocks === 0 && (source === null || source === "estimate")) time = "+0 s / call";
+  else if (timeMeasured) time = `+${fmtSeconds(c.added_s_per_forward)} / call`;
+  else if (source === "estimate" && m.stage !== "measured") time = `+${fmtSeconds(c.added_s_per_forward)} / call (estimate)`;
   else time = "time not measured";
-  const short = `${verdict} ${pct(peak, budget)} · ${source ? `+${fmtSeconds(c.added_s_per_forward)}/${per}` : stream}`;
+  const short = `${verdict} ${pct(peak, budget)} · ${timeMeasured || (source === "estimate" && m.stage !== "measured")
+    ? `+${fmtSeconds(c.added_s_per_forward)}/call` : stream}`;
   // the time line under the answer says what the plan is predicted (then measured) to take
   if (m.time) time = null;
   if (plan.devices?.length) return devicesAnswer(m, c, time, source);
@@ -217,7 +252,10 @@ export function refusal(payload) {
 export function refusalFor(payload, m) {
   const r = refusal(payload);
   if (!r) return null;
-  return m.refused || !payload.models.some((x) => x.refused) ? r : null;
+  if (!m.refused && payload.models.some((x) => x.refused)) return null;
+  // the model's own smallest budget (the node's figure is the largest of them)
+  const own = m.min_budget_bytes ?? m.need_bytes ?? null;
+  return own ? { ...r, need: own, exact: m.min_budget_bytes !== null, message: m.message ?? r.message } : r;
 }
 
 function refusedAnswer(m, payloadBudget, r) {
@@ -225,7 +263,7 @@ function refusedAnswer(m, payloadBudget, r) {
   const vram = r.need ? `needs ${r.exact ? "" : "> "}${gibText(r.need)} / ${gib(budget)} GiB` : `${gib(budget)} GiB refused`;
   const short = r.need ? `refused: needs ${gibText(r.need)} GiB` : "refused";
   return { fits: false, refused: true, verdict: "refused", vram, stream: "not run", time: "raise max_vram_gb",
-    source: null, short, line: `refused · ${vram} · not run · raise max_vram_gb` };
+    source: null, short, need: r.need, line: `refused · ${vram} · not run · raise max_vram_gb` };
 }
 
 export function costTip(m) {
@@ -233,27 +271,31 @@ export function costTip(m) {
   if (!c) return "The added time is not known: this plan came from an older version.";
   const bw = c.bandwidth_bytes_per_s ? `${(c.bandwidth_bytes_per_s / GIB).toFixed(1)} GiB/s` : "not measured";
   const where = c.bandwidth_device === "cpu" ? "a memory copy on this CPU" : `host to ${c.bandwidth_device ?? "device"}`;
-  const per = m.kind === "MODEL" ? "step" : "call";
-  const copies = (n) => `${n} cop${n === 1 ? "y" : "ies"}`;
   const lines = [];
+  const planned = Number.isFinite(c.transfers_per_forward)
+    ? `The plan streams ${fmtBytes(c.streamed_bytes_per_forward)} per call in ${copies(c.transfers_per_forward)} (a copy is one streamed segment).`
+    : null;
   if (c.added_source === "measured") {
     const n = c.measured_forwards;
-    lines.push(`Measured over ${n} ${per}${n === 1 ? "" : "s"} after the measuring one: ` +
-      `compute waited ${fmtSeconds(c.measured_s_per_forward)} per ${per} for copies.`);
+    lines.push(`Measured over ${plural(n, "call", "calls")} after the measuring one: ` +
+      `compute waited ${fmtSeconds(c.measured_s_per_forward)} per call for copies.`);
     if (Number.isFinite(c.measured_bytes_per_forward)) {
       const k = Math.round(c.measured_copies_per_forward * 10) / 10;
-      lines.push(`${fmtBytes(c.measured_bytes_per_forward)} streamed per ${per} in ${copies(k)} · ` +
+      lines.push(`Measured ${fmtBytes(c.measured_bytes_per_forward)} streamed per call in ${copies(k)} · ` +
         `copying ${fmtSeconds(c.measured_copy_s_per_forward)}, computing ${fmtSeconds(c.measured_compute_s_per_forward)}.`);
     }
+    if (planned && c.streamed_bytes_per_forward > 0) lines.push(planned);
   } else if (!(c.streamed_bytes_per_forward > 0)) {
     lines.push("Nothing streams: every block that runs stays on the device, so streaming adds no time.");
   } else {
-    lines.push(`Estimate until a ${per} runs the plan: ${fmtBytes(c.streamed_bytes_per_forward)} streamed per ${per} ÷ ${bw}.`);
-    if (Number.isFinite(c.transfers_per_forward))
-      lines.push(`The plan copies them in ${copies(c.transfers_per_forward)} (adjacent streamed blocks are copied together).`);
+    const est = `${fmtBytes(c.streamed_bytes_per_forward)} streamed per call ÷ ${bw} = +${fmtSeconds(c.added_s_per_forward)} per call`;
+    lines.push(m.stage === "measured" ? `Time not measured yet: ${est} by the bandwidth.` : `Estimate until a call runs the plan: ${est}.`);
+    if (planned) lines.push(planned);
   }
   if (c.added_source !== "measured" && m.plan.stats?.forwards)
     lines.push("The first call only measured the shapes (every block through one slot, once per shape).");
+  if (m.kind === "MODEL")
+    lines.push("A call is one run of the model through its blocks: with CFG above 1 a sampler step is usually one call of batch 2.");
   lines.push(`Bandwidth ${bw} (${where}, measured once on this machine).`);
   return lines.join("\n");
 }

@@ -3,15 +3,20 @@
 // PAYLOAD = {budget_bytes, enabled, message, message_level?, min_budget_bytes?, min_budget_exact?,
 //            need_bytes?,
 //            models: [{kind, label, stage ("weights" | "traced" | "measured"), traced_at? (the
-//            preview's shape, with stage "traced"), signature, warnings, text, refused?, plan: {budget_bytes,
+//            preview's shape, with stage "traced"), signature, inputs? (the call's inputs in the
+//            user's words), warnings, text, refused?, message?, min_budget_bytes?,
+//            min_budget_exact?, need_bytes? (a refused model's own figures), plan: {budget_bytes,
 //            peak_bytes, streamed_bytes_per_forward, transfers_per_forward, resident_bytes,
-//            window_bytes, activation_reserve_bytes, measured, units, segments, stats?, cost?,
+//            window_bytes, activation_reserve_bytes, measured, split, units (keep_resident, or
+//            "pinned" from older versions), segments, stats?, cost?,
 //            devices? (more than one device: [{device, budget_bytes, peak_bytes, resident_bytes,
 //            window_bytes, activation_bytes, streamed_bytes_per_call, copies_per_call, segments}]),
 //            hops? ([{src, dst, unit, bytes}]), hop_bytes_per_call?, hops_per_call?},
 //            time? ({predicted_s, resident_s, added_s, ratio, measured_s, error, source}: the node's
 //            time line, per call), refit? ({reason, budget_bytes, previous_budget_bytes})}],
 //  devices? ([{device, budget_bytes (null: free VRAM less the reserve)}]: the Devices node's list)}
+// The node-level min_budget_bytes is the largest of the refused models' (the one budget that
+// makes every connected model fit: each gets the whole budget in turn).
 // Rule: pure functions of the payload (no DOM, no ComfyUI, nothing done at import); they read
 // Python's figures and never recompute the plan. ComfyUI also loads this file on its own as an
 // extension script, which is harmless only while that stays so.
@@ -23,6 +28,7 @@ export function asArray(v) {
 /** Accept what Python sent; tolerate missing fields (never throw while drawing). */
 export function normalizePayload(p) {
   if (!p || typeof p !== "object") return null;
+  const positive = (v) => (Number.isFinite(Number(v)) && Number(v) > 0 ? Number(v) : null);
   const models = asArray(p.models)
     .filter((m) => m && typeof m === "object")
     .map((m) => {
@@ -33,15 +39,23 @@ export function normalizePayload(p) {
         stage: m.stage === "measured" || m.stage === "traced" ? m.stage : "weights",
         traced_at: m.stage === "traced" && m.traced_at ? String(m.traced_at) : null,
         signature: m.signature ?? null,
+        inputs: m.inputs ? String(m.inputs) : null,
         warnings: [...new Set([...asArray(m.warnings), ...asArray(plan.warnings)].map(String))],
         text: String(m.text ?? ""),
         refused: m.refused === true,
+        message: m.message ? String(m.message) : null,
+        min_budget_bytes: positive(m.min_budget_bytes),
+        min_budget_exact: m.min_budget_exact === true,
+        need_bytes: positive(m.need_bytes),
         time: isObject(m.time) && Number.isFinite(Number(m.time.predicted_s)) ? m.time : null,
         refit: isObject(m.refit) && Number.isFinite(Number(m.refit.budget_bytes)) ? m.refit : null,
         plan: {
           ...plan,
           segments: asArray(plan.segments).filter((s) => s && typeof s === "object"),
-          units: asArray(plan.units),
+          // "pinned" is the older name of keep_resident (must stay on the device)
+          units: asArray(plan.units).map((u) => (u && typeof u === "object" && !("keep_resident" in u)
+            ? { ...u, keep_resident: u.pinned === true } : u)),
+          split: asArray(plan.split).map(String),
           cost: plan.cost && typeof plan.cost === "object" ? plan.cost : null,
           // one row per device only where the plan spans more than one (Python sends none for one)
           devices: asArray(plan.devices).filter((d) => isObject(d) && d.device),
@@ -49,7 +63,6 @@ export function normalizePayload(p) {
         },
       };
     });
-  const positive = (v) => (Number.isFinite(Number(v)) && Number(v) > 0 ? Number(v) : null);
   return {
     budget_bytes: p.budget_bytes ?? null,
     enabled: p.enabled !== false,

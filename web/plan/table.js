@@ -1,21 +1,32 @@
 // The plan as a table: one row per segment (from the segments Python sent), then Python's own
 // summary lines (budget, peak, what streams, the measured run), each model under its answer line.
 //
-// The table is as wide as the node: names wrap, numbers stay whole, nothing scrolls sideways.
+// The table is as wide as the node: names wrap at their dots (never inside a name's part),
+// numbers stay whole, nothing scrolls sideways; the node grows to show every row.
 // Rule: every figure is one Python sent, only formatted here (format.js); nothing done at import
 // (ComfyUI also loads this file on its own as an extension script).
 
 import { isIdle } from "./payload.js";
-import { answer, fmtBytes, refusalFor } from "./format.js";
+import { answer, blockCount, fmtBytes, refusalFor, segmentCounts } from "./format.js";
 
 const COLUMNS = [
-  // [heading, width, align]; the segment column takes what is left
-  ["#", "2.2em", "right"],
+  // [heading, width, align]; the segment column takes what is left (the names in execution order)
   ["segment", "", "left"],
-  ["where", "5.2em", "left"],
-  ["weights", "5.4em", "right"],
-  ["activ.", "5.4em", "right"],
+  ["where", "4.7em", "left"],
+  ["weights", "4.8em", "right"],
+  ["activ.", "4.8em", "right"],
+  ["peak", "4.8em", "right"],
 ];
+
+/** A segment's name that wraps only after a dot, an underscore or an ellipsis ("decoder.up.3"
+ * never breaks inside "decoder"), anywhere only where one part is wider than the column. */
+function nameCell(name) {
+  const c = cell("td", "", { textAlign: "left", overflowWrap: "anywhere", whiteSpace: "normal" });
+  for (const piece of String(name).split(/(?<=[._…])/)) {
+    c.append(document.createTextNode(piece), document.createElement("wbr"));
+  }
+  return c;
+}
 
 function cell(tag, text, style = {}) {
   const c = document.createElement(tag);
@@ -45,14 +56,13 @@ function segmentTable(plan) {
   for (const [h, , align] of COLUMNS)
     head.append(cell("th", h, { textAlign: align, fontWeight: "600", borderBottom: "1px solid var(--border-color, #4e4e4e)" }));
   t.append(head);
-  plan.segments.forEach((s, i) => {
+  plan.segments.forEach((s) => {
     const where = s.resident ? "resident" : isIdle(s) ? "idle" : "streamed";
     const row = document.createElement("tr");
     row.dataset.where = where;
-    const act = s.activation_bytes == null ? "—" : fmtBytes(Number(s.activation_bytes));
-    [String(i), String(s.name), where, fmtBytes(Number(s.weight_bytes)), act].forEach((v, k) =>
-      row.append(cell("td", v, { textAlign: COLUMNS[k][2], overflowWrap: k === 1 ? "anywhere" : "normal",
-        whiteSpace: k === 1 ? "normal" : "nowrap" })));
+    const bytes = (v) => (v == null ? "—" : fmtBytes(Number(v)));
+    [null, where, bytes(s.weight_bytes), bytes(s.activation_bytes), bytes(s.peak_bytes)].forEach((v, k) =>
+      row.append(k === 0 ? nameCell(s.name) : cell("td", v, { textAlign: COLUMNS[k][2], whiteSpace: "nowrap" })));
     t.append(row);
   });
   return t;
@@ -73,6 +83,7 @@ export function fillTable(el, payload) {
     if (idx) Object.assign(block.style, { marginTop: "8px", paddingTop: "6px", borderTop: "1px solid var(--border-color, #4e4e4e)" });
     block.append(line(m.label, { fontWeight: "700" }));
     block.append(line(answer(m, payload.budget_bytes, refusalFor(payload, m)).line));
+    block.append(line(`${blockCount(m.plan)} in ${segmentCounts(m.plan)}`, { color: "var(--descrip-text, #999)" }));
     block.append(segmentTable(m.plan));
     // Python's summary: the lines after its own fixed-width table (which the rows above replace)
     const text = String(m.text || "");
@@ -80,7 +91,7 @@ export function fillTable(el, payload) {
     for (const l of (cut >= 0 ? text.slice(cut + 2) : "").split("\n").filter(Boolean))
       block.append(line(l, { color: "var(--descrip-text, #999)" }));
     if (m.traced_at) block.append(line(`traced at ${m.traced_at} (a dry run: nothing has run yet)`, { color: "var(--descrip-text, #999)" }));
-    else if (m.signature) block.append(line(`input: ${m.signature}`, { color: "var(--descrip-text, #999)" }));
+    else if (m.inputs) block.append(line(`measured at ${m.inputs}`, { color: "var(--descrip-text, #999)" }));
     el.append(block);
   });
 }

@@ -2,8 +2,10 @@
 // tooltip every plan on the page shares.
 //
 // PlanView owns its element, its canvas and their observers, and schedules every redraw through
-// requestAnimationFrame (one frame, however many changes); `destroy` undoes all of it. Pointer
-// events on the plan are handed to LiteGraph, so the plan acts like the rest of the node.
+// requestAnimationFrame (one frame, however many changes); `destroy` undoes all of it. It owns
+// the node's fit (fit.js) and asks it to fit whenever what it shows changes. Pointer events on
+// the plan are handed to LiteGraph, so the plan acts like the rest of the node. `attachPlan`
+// gives a new node its view, its widget and its live events.
 // Rule: nothing happens at import (ComfyUI also loads this file on its own as an extension
 // script): the page-wide listeners start in `watchPage()`, called by the extension, and ComfyUI's
 // `app` comes in as an argument (its scripts/app.js is one folder further away from here).
@@ -13,6 +15,13 @@ import { answer, refusal, refusalFor } from "./format.js";
 import { HEADER_H, LOW_ZOOM, render } from "./draw.js";
 import { COLORS, FONT_FALLBACK, readTheme } from "./theme.js";
 import { fillTable } from "./table.js";
+import { MARGIN, MIN_NODE_WIDTH, NodeFit } from "./fit.js";
+import { syncVueHeader, unusedOutputs } from "./node.js";
+
+const WIDGET_NAME = "vramcut_plan";
+const VIEW_PROPERTY = "vramcut_view";   // "details" when the user expanded the node (a user edit)
+const LEGACY_PROPERTY = "vramcut_plan"; // older versions saved the plan here: still shown, never written
+const BUDGET_WIDGETS = new Set(["max_vram_gb", "reserve_gb"]);
 
 // One small styled tooltip for every plan on the page (a canvas `title` would be a raw dump in
 // the browser's own font).
@@ -160,7 +169,7 @@ export class PlanView {
     const bar = document.createElement("div");
     Object.assign(bar.style, { position: "absolute", right: "0", top: "0", display: "flex", gap: "4px" });
     this.detailsButton = makeButton("details", "Show every segment, the legend and all warnings",
-      () => this.node.vramcutSetDetails?.(!this.details));
+      () => this.chooseDetails(!this.details));
     this.detailsButton.className = "vramcut-plan-details";
     this.button = makeButton("table", "Show the plan as a text table", () => this.toggleTable());
     this.button.className = "vramcut-plan-toggle";
@@ -193,6 +202,7 @@ export class PlanView {
     this.resizeObserver = typeof ResizeObserver === "function" ? new ResizeObserver(() => this.scheduleDraw()) : null;
     this.resizeObserver?.observe(el);
     views.add(this);
+    this.fit = new NodeFit(node, this);
     this.updateDataset();
   }
 
@@ -202,6 +212,48 @@ export class PlanView {
     fillTable(this.pre, this.payload);
     this.updateDataset();
     this.scheduleDraw();
+  }
+
+  /** Show `payload` on the node: the node's height follows the content (`restore`: a plan shown
+   * again in a loaded workflow, which keeps its saved size unless the plan would be cut). */
+  show(payload, { restore = false } = {}) {
+    this.setPayload(payload);
+    syncVueHeader(this.node);
+    this.fit.contentChanged({ restore });
+    this.node.setDirtyCanvas?.(true, false);
+  }
+
+  /** A loaded workflow: its view (details or not) as saved, and its plan as this page or the
+   * server's history knows it (`history`: a PlanHistory). */
+  restore(history) {
+    this.fit.settle(); // a loaded workflow keeps its saved size
+    this.setDetails(this.node.properties?.[VIEW_PROPERTY] === "details");
+    const known = history.known(this.node) ?? this.node.properties?.[LEGACY_PROPERTY];
+    if (known) {
+      history.remember(this.node, known);
+      this.show(known, { restore: true });
+      return;
+    }
+    history.fromHistory(this.node).then((p) => {
+      if (!p || this.payload || this.node.vramcutView !== this) return;
+      history.remember(this.node, p);
+      this.show(p, { restore: true });
+    });
+  }
+
+  /** The user opened or closed the details: a choice kept with the workflow like any other edit. */
+  chooseDetails(on) {
+    this.setDetails(on);
+    const node = this.node;
+    node.properties = node.properties || {};
+    if (on) node.properties[VIEW_PROPERTY] = "details";
+    else delete node.properties[VIEW_PROPERTY];
+    this.fit.contentChanged();
+  }
+
+  /** Warn about outputs that lead nowhere (the node's links changed, or a frame looked). */
+  checkLinks() {
+    if (this.setUnused(unusedOutputs(this.node))) this.fit.contentChanged();
   }
 
   setDetails(on) {
@@ -249,7 +301,9 @@ export class PlanView {
     this.button.textContent = show ? "chart" : "table";
     this.button.title = show ? "Show the plan as a chart" : "Show the plan as a text table";
     this.el.dataset.view = show ? "table" : "chart";
+    this.heightCache = null;
     this.scheduleDraw();
+    this.fit.contentChanged(); // every row shown: the node as tall as the table
   }
 
   zoom() {
@@ -260,16 +314,30 @@ export class PlanView {
     return { reserveRight: (this.bar.offsetWidth || 110) + 6, details: this.details, zoom: this.zoom(), unused: this.unused };
   }
 
-  /** Content height at a css width (at zoom 1), measured by the same pass that paints. */
+  /** Content height at a css width (at zoom 1), measured by the same pass that paints; with the
+   * table shown, the table's whole height below the header. */
   contentHeight(width) {
     const W = Math.max(120, Math.round(width));
     const theme = readTheme(this.el);
-    const key = `${W}|${theme.font}|${this.details}|${this.unused.join(",")}`;
+    const key = `${W}|${theme.font}|${this.details}|${this.unused.join(",")}|${this.showTable}`;
     if (this.heightCache?.payload !== this.payload || this.heightCache.key !== key) {
       const opts = { ...this.renderOptions(), zoom: 1 };
-      this.heightCache = { payload: this.payload, key, height: render(this.ctx, this.payload, W, theme, false, opts).height };
+      const out = render(this.ctx, this.payload, W, theme, false, opts);
+      const height = this.showTable ? Math.max(HEADER_H, out.headerH) + this.tableHeight(W) : out.height;
+      this.heightCache = { payload: this.payload, key, height };
     }
     return this.heightCache.height;
+  }
+
+  /** The table's height at a css width: laid out off screen at that width, every row. */
+  tableHeight(W) {
+    const probe = this.pre.cloneNode(true);
+    Object.assign(probe.style, { position: "fixed", left: "-10000px", top: "0", bottom: "auto", width: `${W}px`,
+      height: "auto", display: "block", visibility: "hidden", overflowY: "visible" });
+    document.body.append(probe);
+    const h = Math.ceil(probe.getBoundingClientRect().height) + 2;
+    probe.remove();
+    return h;
   }
 
   scheduleDraw() {
@@ -290,11 +358,7 @@ export class PlanView {
     const cssW = this.el.clientWidth;
     const cssH = this.el.clientHeight;
     if (!cssW || !cssH) return; // not mounted (collapsed, hidden, off-screen): drawn on next resize
-    if (this.fitPending) {
-      const how = this.fitPending;
-      this.fitPending = null;
-      this.node.vramcutFit?.({ ...how, tries: 1 });
-    }
+    this.fit.drawn();
     const scale = this.pixelScale();
     const pw = Math.round(cssW * scale);
     const ph = Math.round(cssH * scale);
@@ -329,13 +393,13 @@ export class PlanView {
   /** Called from the widget's onDraw (every LiteGraph frame): redraw when the zoom crossed a
    * threshold or the pixel scale changed, and (a few times a second) when the palette changed. */
   checkFrame() {
-    this.node.vramcutCheckFit?.();
+    this.fit.check();
     if (Math.abs(this.pixelScale() - this.drawnScale) > 0.01 || (this.zoom() < LOW_ZOOM) !== this.drawnLow) this.scheduleDraw();
     const now = performance.now();
     if (now - this.themeCheckedAt > 250) {
       this.themeCheckedAt = now;
       this.checkTheme();
-      this.node.vramcutCheckLinks?.();
+      this.checkLinks();
     }
   }
 
@@ -409,6 +473,8 @@ export class PlanView {
   }
 
   destroy() {
+    this.onDestroy?.();
+    this.onDestroy = null;
     if (this.frame) cancelAnimationFrame(this.frame);
     this.frame = 0;
     this.resizeObserver?.disconnect();
@@ -416,4 +482,41 @@ export class PlanView {
     views.delete(this);
     if (tipOwner === this) showTip(null);
   }
+}
+
+/**
+ * Gives a new Max VRAM node its plan: the view, its DOM widget (not saved with the workflow) and
+ * the live plan events meant for it (`history`: the page's PlanHistory, which says which are).
+ * `app`, `api`: ComfyUI's. Returns the view; `view.destroy()` undoes it all.
+ */
+export function attachPlan(node, app, api, history) {
+  const view = new PlanView(node, app);
+  node.vramcutView = view;
+  const widget = node.addDOMWidget(WIDGET_NAME, "vramcut_plan", view.el, {
+    serialize: false,
+    hideOnZoom: false, // zoomed out the plan still answers (LiteGraph draws no text there)
+    margin: MARGIN,
+    getValue: () => "",
+    setValue: () => {},
+    getMinHeight: () => view.fit.minHeight(),
+    onDraw: () => view.checkFrame(),
+  });
+  widget.serialize = false; // keep widgets_values to the real inputs
+  node.vramcutWidget = widget;
+  // The budgets step by 0.05 GiB and round to 0.001 GiB; the host shows as many decimals as the
+  // step has, so 0.001 read "0.00": show the three the rounding keeps.
+  for (const w of node.widgets ?? []) {
+    if (BUDGET_WIDGETS.has(w.name) && w.options) w.options.precision = 3;
+  }
+  const onEvent = (e) => {
+    const detail = e?.detail;
+    if (!history.isFor(node, detail)) return;
+    history.remember(node, detail.payload, { run: true });
+    view.show(detail.payload);
+  };
+  api.addEventListener("vramcut.plan", onEvent);
+  view.onDestroy = () => api.removeEventListener("vramcut.plan", onEvent);
+  if (node.size[0] < MIN_NODE_WIDTH) node.setSize([MIN_NODE_WIDTH, node.size[1]]);
+  requestAnimationFrame(() => !view.fit.settled && view.fit.fit());
+  return view;
 }
