@@ -136,7 +136,8 @@ def summary(runs: list[list[dict]]) -> list[dict]:
 def lines(rows: list[dict], runs: int) -> list[str]:
     ok = lambda e: "within" if abs(e) <= TOLERANCE else "NOT within"  # noqa: E731
     rng = lambda r, e: f"{r[e + '_range'][0] * 100:+.1f} .. {r[e + '_range'][1] * 100:+.1f} %"  # noqa: E731
-    out = [f"median of {runs} runs (each: the median of its timed calls); error = predicted / measured - 1"]
+    out = [f"each figure the median over {runs} runs, taken separately (a run: the median of its timed calls); "
+           "error = predicted / measured - 1 in each run; the unit clock is one timed call per run"]
     for r in rows:
         out.append(f"{r['family']:12s} measured {r['measured_s'] * 1e3:7.2f} ms per call "
                    f"(units {r['predicted_m_compute_s'] * 1e3:.2f} ms by the unit clock, copies {r['measured_copy_s'] * 1e3:.2f} ms, "
