@@ -178,6 +178,8 @@ class SegmentedExecutor:
                 self.failed_tracked = ms.meas is not None
             if not ok or not self._holding:
                 self.hooks.remove()
+            elif clock:  # a timed forward hooked the resident units too: back to the steady hooks
+                self.hooks.install(plan, False, self.memory.resident_names)
             if ms.meter is not None:
                 ms.meter.stop()
             self._after_forward(plan, ok)
