@@ -106,7 +106,7 @@ def _check_devices(c: "EngineConfig") -> None:
             dev = torch.device(name)
         except (RuntimeError, TypeError):
             raise ValueError(f"devices: {name!r} is not a device") from None
-        if dev.index is None or (len(c.devices) > 1 and dev.type != "cuda"):
+        if len(c.devices) > 1 and (dev.index is None or dev.type != "cuda"):  # one device: today's path
             raise ValueError(f"devices: {name!r}: name each device with its index (cuda:N); "
                              "several devices must all be CUDA devices")
         if not isinstance(b, int) or isinstance(b, bool) or b <= 0:

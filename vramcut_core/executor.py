@@ -164,7 +164,9 @@ class SegmentedExecutor:
             ok = True
             return out, stats, ms.finish()
         except torch.OutOfMemoryError:
-            if capped is None:
+            if capped is None or (self.group is not None and self._current is None):
+                # (a device of the group none of whose units has run yet: the error is another
+                # device's, which that device's executor, further out, names by its unit)
                 raise
             raise ms.over_cap(self._current) from None  # a finer cut, never a peak over the budget
         finally:
