@@ -11,6 +11,9 @@ The hop rule: ``KEEP`` (a unit's outputs stay where it computed them) when the d
 devices, each unit's weights faked on its device, runs the forward without mixing devices;
 else ``HOME`` (every unit off the home device returns its outputs home) when that runs; else
 the forward cannot run across devices and the engine refuses, naming one device as the way out.
+Only a device-mismatch error (``_mixes_devices``) counts against a rule; any other error means the
+dry run itself could not run (an operator fake tensors do not support, a bug in the model's code):
+the check stops there and the engine says so, as it is, with the same way out.
 The dry run counts the hops with the same ``Hops`` the runtime uses, so the plan's hops are the
 ones that run (the runtime counts them again on every forward).
 """
@@ -35,11 +38,13 @@ RULES = (KEEP, HOME)
 @dataclasses.dataclass
 class HopCheck:
     """The dry run on fake devices: the rule that runs (None: neither does), the hops it made,
-    and why each rule that failed failed."""
+    why each rule that failed failed, and ``error``: set where the dry run failed for a reason
+    other than mixing devices (then ``rule`` is None and no rule was judged)."""
 
     rule: str | None
     hops: list[dict]
     reasons: dict[str, str]
+    error: str | None = None
 
     @property
     def bytes(self) -> int:
@@ -56,15 +61,28 @@ def check_hops(module: nn.Module, placed: Sequence[tuple[object, torch.device]],
                fn: Callable, args: tuple, kwargs: dict) -> HopCheck:
     """Run ``fn`` on fake tensors with each unit's weights on its device and the inputs on the
     device they are on now (see the module docstring); the user's model is never changed."""
+    from .trace import _first_line
+
     reasons: dict[str, str] = {}
     for rule in RULES:
         try:
             moves = _fake_run(module, placed, home, fn, args, kwargs, rule)
             return HopCheck(rule, moves, reasons)
-        except Exception as e:  # a forward that mixes devices under this rule, or cannot run on fakes
-            from .trace import _first_line
-            reasons[rule] = f"{type(e).__name__}: {_first_line(e)}"
+        except Exception as e:
+            why = f"{type(e).__name__}: {_first_line(e)}"
+            if not _mixes_devices(e):   # not this rule's fault: another rule would fail the same way
+                return HopCheck(None, [], reasons, error=why)
+            reasons[rule] = why
     return HopCheck(None, [], reasons)
+
+
+def _mixes_devices(e: Exception) -> bool:
+    """Whether an error of the dry run is an operator given tensors of two devices: fake tensors'
+    own device check, or a kernel's (attention checks its query, key and value itself)."""
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    return isinstance(e, FakeTensorDeviceMismatchError) or (
+        isinstance(e, RuntimeError) and "same device" in str(e))
 
 
 def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:

@@ -598,10 +598,12 @@ class Engine:
         check = check_hops(self.module, unit_devices(pl, self.planner.unit), torch.device(self.config.device),
                            fn, args, kwargs)
         if check.rule is None:
+            why = (f"the dry run across devices could not run: {check.error}" if check.error else
+                   "this model's forward mixes tensors of different devices between its blocks under any "
+                   f"hop rule ({'; '.join(f'{r}: {why}' for r, why in check.reasons.items())})")
             raise BudgetError("devices", 0, self.config.budget_bytes, message=(
-                "VRAMCut: this model's forward mixes tensors of different devices between its blocks "
-                f"under any hop rule ({'; '.join(f'{r}: {why}' for r, why in check.reasons.items())}); "
-                f"name one device (devices={self.config.device}=GIB, or no devices) to run on one GPU"))
+                f"VRAMCut: {why}; name one device (devices={self.config.device}=GIB, or no devices) to run "
+                "on one GPU"))
         for _ in range(4):
             try:
                 out, stats, got = self._guard(lambda f, a, k: self.group.forward(

@@ -329,3 +329,67 @@ def test_across_devices_residency_by_time_within_each_budget(sim2, family):
                                         source=p.source)
         assert p.time.predicted_s <= predict(count, bps).step_s + 1e-12
         assert p.peak_bytes <= d.budget_bytes
+
+
+class _StashBlock(torch.nn.Module):
+    """A block that reads a tensor its model sets on it (an attribute, not an argument: no hop
+    moves it), or that refuses any GPU but the first, as a kernel written for one device may."""
+
+    def __init__(self, d: int, first_gpu_only: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.first_gpu_only = first_gpu_only
+        self.extra = None
+
+    def forward(self, x):
+        if self.first_gpu_only and x.device.index not in (None, 0):
+            raise NotImplementedError(f"this kernel runs on the first GPU only, not {x.device}")
+        h = x + self.fc2(torch.relu(self.fc1(x)))
+        return h if self.extra is None else h + self.extra
+
+
+class _StashModel(torch.nn.Module):
+    def __init__(self, d: int = 32, depth: int = 6, stash: bool = True, first_gpu_only: bool = False) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(_StashBlock(d, first_gpu_only) for _ in range(depth))
+        self.stash = stash
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            b.extra = x.mean(-1, keepdim=True) if self.stash else None   # on the device of the model's input
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("mixes", r"mixes tensors of different devices.*keep: FakeTensorDeviceMismatchError.*"
+              r"home: FakeTensorDeviceMismatchError.*devices=cuda:0=GIB"),
+    ("raises", r"the dry run across devices could not run: NotImplementedError: this kernel runs on the first GPU "
+               r"only, not cuda:1; name one device \(devices=cuda:0=GIB"),
+], ids=["mixes-devices", "other-error"])
+def test_dry_run_across_devices_failure_names_what_failed(sim2, kind, match):
+    """Only a device mismatch in the dry run on fake devices says the model mixes devices; any
+    other error is reported as it is (and no other rule is tried); both refuse before anything
+    moves to the second device, naming one device as the way out."""
+    from vramcut_core.devices import check_hops, unit_devices
+
+    with sim2.host_memory(), torch.no_grad():
+        torch.manual_seed(0)
+        model = _StashModel(stash=kind == "mixes", first_gpu_only=kind == "raises")
+    args = (torch.randn(2, 5, 32),)
+    with torch.no_grad():
+        devs = budgets(model, args, 2)
+        eng = engine(devs, model)
+        with pytest.raises(BudgetError, match=match):
+            eng.run(model, *args)
+        assert sim2.allocs[1].high_allocated == 0
+        (trace,) = eng.traces.values()
+        pl = eng._place(dict(trace.measurements))
+        check = check_hops(model, unit_devices(pl, eng.planner.unit), torch.device("cuda:0"), model, args, {})
+    assert check.rule is None
+    if kind == "mixes":
+        assert check.error is None and set(check.reasons) == {"keep", "home"}
+    else:
+        assert check.error.startswith("NotImplementedError") and check.reasons == {}
