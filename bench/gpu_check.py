@@ -43,6 +43,13 @@ What the simulated accelerator in the tests cannot tell:
   the host, no "Tried to unpin tensor not pinned by ComfyUI" warning, the next run bit-equal to
   the first (``bench/gpu_detach_check.py``; without such a host "skipped: ..." and why).
 
+Every check that runs an engine (and ``forwards``) adds ``time_per_call``: the plan's predicted
+seconds per call (``Plan.time``, the timeline model), the measured seconds per call (the engine's
+steady forwards, timed on the compute stream) and the prediction's error, printed in its line as
+"predicted 12.3 ms/call, measured 13.0 ms (-5 %)", or "no prediction (why)" where the engine made
+none (residency by bytes, no bandwidth figure, several devices). The host-to-device bandwidth the
+engine plans with is measured first (``bandwidth.host_to_device``), as the node does at load.
+
 ``--dry`` runs on CPU: imports everything and prints the same keys, every figure null or
 "not measured". Nothing here is a figure until it has run on a GPU.
 
@@ -70,7 +77,7 @@ import gpu_compiler_check  # noqa: E402
 import gpu_detach_check  # noqa: E402
 import gpu_file_backed_check  # noqa: E402
 import toys  # noqa: E402
-from vramcut_core import Engine, EngineConfig  # noqa: E402
+from vramcut_core import Engine, EngineConfig, bandwidth, speed  # noqa: E402
 from vramcut_core.runtime import host_memory as ex  # noqa: E402
 
 NOT = "not measured"
@@ -109,6 +116,59 @@ def models(quick: bool):
 
 def weight_bytes(m) -> int:
     return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+
+
+# -- predicted against measured time per call ----------------------------------------------------
+
+def _why_no_prediction(eng) -> str:
+    """Why ``eng``'s plan carries no predicted time (``planner.timed``'s conditions)."""
+    cfg = eng.config
+    if len(cfg.devices or ()) > 1:
+        return "several devices: the combined plan has no single predicted step"
+    if not speed.by_time(cfg):
+        return f"speed={cfg.speed} on {torch.device(cfg.device).type}: residency by bytes, no timeline"
+    if not speed.Figures.bytes_per_s(cfg):
+        return f"no host-to-device bandwidth figure for {cfg.device}"
+    return "no compute time for every unit (no FLOP count or no throughput figure)"
+
+
+def time_per_call(eng, plans=None) -> dict:
+    """The plan's predicted seconds per call against the engine's measured steady seconds per call
+    (``report.time_to_json``). ``plans``: the plans the timed calls ran in turn (shapes that
+    alternate), predicted as their mean; by default the engine's last plan."""
+    last = eng.last_plan
+    j = {"predicted_s": last.time.predicted_s, "source": last.time.source} if last is not None and last.time else None
+    measured = eng.steady_stats.s_per_forward if last is not None and last.measured else None
+    if plans is not None:
+        times = [p.time for p in plans]
+        j = None if any(t is None for t in times) else {
+            "predicted_s": sum(t.predicted_s for t in times) / len(times),
+            "source": "+".join(sorted({t.source for t in times}))}
+    if j is None:
+        return {"predicted_s": None, "measured_s": measured, "error": None, "no_prediction": _why_no_prediction(eng)}
+    return {"predicted_s": j["predicted_s"], "measured_s": measured, "source": j["source"],
+            "error": (j["predicted_s"] - measured) / measured if measured else None}
+
+
+def time_text(t: dict) -> str:
+    """``time_per_call`` as one phrase: "predicted 12.3 ms/call, measured 13.0 ms (-5 %)"."""
+    ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731
+    meas = "not measured (no steady forward timed)" if t.get("measured_s") is None else f"measured {ms(t['measured_s'])}"
+    if t.get("predicted_s") is None:
+        return f"no prediction ({t.get('no_prediction')}), {meas}"
+    err = f" ({t['error'] * 100:+.0f} %)" if t.get("error") is not None else ""
+    return f"predicted {ms(t['predicted_s'])}/call, {meas}{err}"
+
+
+def _times(res: dict, at: str = "") -> list[str]:
+    """Every ``time_per_call`` in a check's result (its own, and its parts'), as phrases."""
+    out = []
+    for k, v in res.items():
+        if k == "time_per_call" and isinstance(v, dict):
+            out.append((f"{at}: " if at else "") + time_text(v))
+        elif isinstance(v, dict):
+            out.extend(_times(v, f"{at}.{k}" if at else k))
+    return out
 
 
 # -- measurements (GPU) -----------------------------------------------------------------------
@@ -197,6 +257,8 @@ def run_forwards(name, model, args, dev, bw_gbps, n=4) -> dict:
                 times.append(time.perf_counter() - t)
                 if i == 0:
                     firsts = times[0]
+                if i == 1:
+                    eng.reset_stats()  # the engine's own time: the steady forwards below only
         peak = torch.cuda.max_memory_reserved(dev) - base
         steady = sum(times[2:]) / len(times[2:])
         streamed = eng.last_plan.streamed_bytes_per_forward
@@ -205,7 +267,7 @@ def run_forwards(name, model, args, dev, bw_gbps, n=4) -> dict:
                 "within_budget": peak <= budget, "bit_equal": all(torch.equal(o, ref) for o in outs),
                 "first_forward_s": firsts, "forward_s": steady, "compute_only_s": compute,
                 "streamed_bytes": streamed, "floor_s": floor,
-                "over_floor": (steady / floor) if floor else None}
+                "over_floor": (steady / floor) if floor else None, "time_per_call": time_per_call(eng)}
 
 
 def sessions(dev) -> dict:
@@ -269,10 +331,16 @@ def offload(quick: bool) -> dict:
 # -- round-2 checks: each returns {"ok": bool or None (not applicable), ...figures} ---------------
 
 def _say(name: str, res: dict) -> dict:
-    figures = ", ".join(f"{k}={v}" for k, v in res.items() if k != "ok")
+    figures = ", ".join(f"{k}={v}" for k, v in _without_times(res).items() if k != "ok")
+    times = "; ".join(_times(res))
     print(f"check {name}: {'ok' if res.get('ok') else ('n/a' if res.get('ok') is None else 'FAIL')}"
-          + (f" ({figures})" if figures else ""), file=sys.stderr, flush=True)
+          + (f" ({figures})" if figures else "") + (f"; time per call: {times}" if times else ""),
+          file=sys.stderr, flush=True)
     return res
+
+
+def _without_times(res: dict) -> dict:
+    return {k: _without_times(v) if isinstance(v, dict) else v for k, v in res.items() if k != "time_per_call"}
 
 
 def _budget_to_stream(model, x, dev, share=0.5) -> int:
@@ -309,13 +377,16 @@ def check_kitchen(dev) -> dict:
         hs = [m.register_forward_hook(look) for m in model.modules() if isinstance(m, kt.KitchenLinear)]
         try:
             with eng.session():
-                for _ in range(5):
+                for i in range(5):
                     exact.append(torch.equal(eng.run(model, *x), ref))
+                    if i == 1:
+                        eng.reset_stats()  # time the steady forwards after
         finally:
             for h in hs:
                 h.remove()
         ok = all(exact) and not outside and eng.last_plan.slots == 2
-        res[layout] = {"bit_equal_per_forward": exact, "bytes_outside_buffers": sum(outside)}
+        res[layout] = {"bit_equal_per_forward": exact, "bytes_outside_buffers": sum(outside),
+                       "time_per_call": time_per_call(eng)}
         res["ok"] = res["ok"] and ok
     return res
 
@@ -336,13 +407,15 @@ def check_replan(dev) -> dict:
     base = torch.cuda.memory_reserved(dev)
     peaks, exact = [], []
     with eng.session():
-        for _ in range(4):
+        for i in range(4):
             torch.cuda.reset_peak_memory_stats(dev)
             exact.append(torch.equal(eng.run(model, *x), ref))
             peaks.append(torch.cuda.max_memory_reserved(dev) - base)
+            if i == 1:
+                eng.reset_stats()  # time the steady forwards after
     return {"ok": all(exact) and bool(eng.last_plan.split) and max(peaks) <= budget,
             "budget_bytes": budget, "reserved_peaks": peaks, "split": list(eng.last_plan.split)[:4],
-            "bit_equal": all(exact)}
+            "bit_equal": all(exact), "time_per_call": time_per_call(eng)}
 
 
 class _Prompt(torch.nn.Module):
@@ -387,13 +460,16 @@ def check_outgrow(dev, d: int = 1024, depth: int = 8, tokens: int = 256, steps: 
                     exact.append(torch.equal(eng.run(model, *x), ref))
                 syncs.append(c.counts["syncs"] + c.counts["empty_cache"])
                 peaks.append(eng.last_stats.peak_device_bytes)
+                if i == steps - 3:
+                    eng.reset_stats()  # time the last two forwards (re-planned, steady)
+        timing = time_per_call(eng)
     finally:
         _Prompt.tokens = 0
     replans = sum(p > budget for p in peaks)
     return {"ok": all(exact) and peaks[3] > budget and all(0 < p <= budget for p in peaks[4:])
             and syncs[-2:] == [0, 0],
             "budget_bytes": budget, "peaks": peaks, "over_budget_forwards": replans,
-            "syncs_and_empty_cache_per_forward": syncs, "bit_equal": all(exact)}
+            "syncs_and_empty_cache_per_forward": syncs, "bit_equal": all(exact), "time_per_call": timing}
 
 
 def check_teardown(dev) -> dict:
@@ -405,6 +481,7 @@ def check_teardown(dev) -> dict:
     eng = Engine(model, EngineConfig(budget_bytes=4 * weight_bytes(model), device=str(dev)))
     with eng.session():
         outs = [eng.run(model, *x) for _ in range(2)]
+        timing = time_per_call(eng)
         held = eng.executor.holds_weights
         on_dev = sum(p.is_cuda for p in model.parameters())
         # what the adapter does on the host's detach: give the device copies back first ...
@@ -414,7 +491,8 @@ def check_teardown(dev) -> dict:
         moved = [n for n, p in model.named_parameters() if p.data_ptr() != masters[n][0]]
     same = all(torch.equal(p.detach(), masters[n][1]) for n, p in model.named_parameters())
     return {"ok": held and on_dev > 0 and left == 0 and not moved and same and all(torch.equal(o, ref) for o in outs),
-            "held_params_on_device": on_dev, "left_on_device_after_release": left, "copied_back": len(moved)}
+            "held_params_on_device": on_dev, "left_on_device_after_release": left, "copied_back": len(moved),
+            "time_per_call": timing}
 
 
 class _SyncCounter:
@@ -451,17 +529,19 @@ def check_alternating(dev, steps: int = 10) -> dict:
     refs = [model.to(dev)(*a), model(*b)]
     model.to("cpu")
     eng = Engine(model, EngineConfig(budget_bytes=_budget_to_stream(model, b, dev), device=str(dev)))
-    exact = []
+    exact, ran = [], []
     with eng.session():
         for i in range(4):
             eng.run(model, *(a, b)[i % 2])
+        eng.reset_stats()  # time the steady forwards below
         with _SyncCounter() as c:
             for i in range(steps):
                 exact.append(torch.equal(eng.run(model, *(a, b)[i % 2]), refs[i % 2]))
+                ran.append(eng.last_plan)
     per = {k: v / steps for k, v in c.counts.items()}
     return {"ok": all(exact) and per["syncs"] == 0 and per["empty_cache"] == 0,
             "host_syncs_per_forward": per["syncs"], "empty_cache_per_forward": per["empty_cache"],
-            "bit_equal": all(exact)}
+            "bit_equal": all(exact), "time_per_call": time_per_call(eng, plans=ran)}
 
 
 def check_second_gpu() -> dict:
@@ -478,7 +558,8 @@ def check_second_gpu() -> dict:
     with eng.session():
         outs = [eng.run(model, *x) for _ in range(4)]
     grew = torch.cuda.memory_allocated(0) - before
-    return {"ok": all(torch.equal(o, ref) for o in outs) and grew == 0, "cuda0_bytes_allocated": grew}
+    return {"ok": all(torch.equal(o, ref) for o in outs) and grew == 0, "cuda0_bytes_allocated": grew,
+            "time_per_call": time_per_call(eng)}
 
 
 def check_devices(d: int = 1024, depth: int = 16, tokens: int = 256, steps: int = 6, inputs_on=None,
@@ -525,7 +606,8 @@ def check_devices(d: int = 1024, depth: int = 16, tokens: int = 256, steps: int 
                       "within_budgets": all(p <= dict(devices)[k] for per in peaks for k, p in per.items()),
                       "steady_host_syncs": syncs[1:], "s_per_call": sum(times[1:]) / max(1, len(times) - 1),
                       "host_bytes_per_call": js["streamed_bytes_per_forward"],
-                      "hop_bytes_per_call": js.get("hop_bytes_per_call", 0), "hops": js.get("hops", [])}
+                      "hop_bytes_per_call": js.get("hop_bytes_per_call", 0), "hops": js.get("hops", []),
+                      "time_per_call": time_per_call(eng)}
         eng.release()
     one, two = runs["one_gpu"], runs["two_gpus"]
     return {"ok": all(r["bit_equal"] and r["within_budgets"] and not any(r["steady_host_syncs"]) for r in runs.values()),
@@ -539,7 +621,7 @@ def round2(dev) -> dict:
                      ("outgrow", lambda: check_outgrow(dev)),
                      ("teardown", lambda: check_teardown(dev)), ("alternating", lambda: check_alternating(dev)),
                      ("second_gpu", check_second_gpu), ("compiler", gpu_compiler_check.check),
-                     ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream)),
+                     ("file_backed", lambda: gpu_file_backed_check.check(dev, _budget_to_stream, timing=time_per_call)),
                      ("detach", gpu_detach_check.check), ("devices", check_devices)):
         try:
             with torch.no_grad():
@@ -556,26 +638,32 @@ def report(dry: bool, quick: bool) -> dict:
     if dry or not torch.cuda.is_available():
         forward = {k: NOT for k in ("weight_bytes", "budget_bytes", "max_reserved_bytes", "within_budget",
                                     "bit_equal", "first_forward_s", "forward_s", "compute_only_s",
-                                    "streamed_bytes", "floor_s", "over_floor")}
+                                    "streamed_bytes", "floor_s", "over_floor", "time_per_call")}
         return {
             "dry": True, "device": None, "torch": torch.__version__,
             "register": {k: NOT for k in ("registered", "register_s_per_gb", "unregister_s_per_gb",
                                           "failed_register_leaves_pending_error", "executor_clears_it")},
-            "bandwidth": {"pinned_h2d_gbps": NOT},
+            "bandwidth": {"pinned_h2d_gbps": NOT, "engine_h2d_bytes_per_s": NOT, "engine_h2d_source": NOT},
             "sanitizer": {a: {n: NOT for n in names} for a in ALLOCATORS},
             "forwards": {n: dict(forward) for n in names},
             "sessions": {"sessions": NOT, "page_locked_after_drop_bytes": NOT},
             "offload": {"rows": NOT},
-            "checks": {c: {"ok": NOT} for c in CHECKS},
+            "checks": {c: {"ok": NOT, "time_per_call": NOT} for c in CHECKS},
         }
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     res = {"dry": False, "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    # the figure the engines plan by time with (cached for the checks run in fresh processes)
+    engine_bw = bandwidth.host_to_device(dev)
     res["checks"] = round2(dev)
     res["register"] = check_register(dev)
     bw = pinned_bandwidth(dev)
-    res["bandwidth"] = {"pinned_h2d_gbps": bw}
-    res["forwards"] = {n: run_forwards(n, m, a, dev, bw) for n, m, a in models(quick)}
+    res["bandwidth"] = {"pinned_h2d_gbps": bw, "engine_h2d_bytes_per_s": engine_bw["bytes_per_s"],
+                        "engine_h2d_source": engine_bw["source"]}
+    res["forwards"] = {}
+    for n, m, a in models(quick):
+        res["forwards"][n] = r = run_forwards(n, m, a, dev, bw)
+        print(f"forwards {n}: time per call: {time_text(r['time_per_call'])}", file=sys.stderr, flush=True)
     res["sessions"] = sessions(dev)
     res["offload"] = offload(quick)
     res["sanitizer"] = sanitizer(quick, timeout=100)

@@ -86,6 +86,7 @@ def child() -> dict:
         return {"ok": None, "why": why}
     import torch
     from compiler_host import Qwen21Shaped, sample_through_wrappers
+    from gpu_check import time_per_call
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(1)
@@ -109,15 +110,17 @@ def child() -> dict:
         prefetch.MALLOC_GRAPH_USED = False
         torch.cuda.empty_cache()
         m = model if name == "compiler" else build()
-        outs, peaks, _, _ = sample_through_wrappers(pack, m, x, t, budget, STEPS, device="cuda")
+        outs, peaks, _, engine = sample_through_wrappers(pack, m, x, t, budget, STEPS, device="cuda")
         runs[name] = {"peaks_bytes": peaks, "bit_equal": all(torch.equal(o, ref) for o in outs),
-                      "recorded": bool(prefetch.MALLOC_GRAPH_USED), "switch_after": args.disable_comfy_compiler}
+                      "recorded": bool(prefetch.MALLOC_GRAPH_USED), "switch_after": args.disable_comfy_compiler,
+                      "time_per_call": time_per_call(engine)}
     on, off = runs["compiler"], runs["no_compiler"]
     ok = (on["bit_equal"] and off["bit_equal"] and not on["recorded"] and on["switch_after"] is False
           and on["peaks_bytes"] == off["peaks_bytes"] and max(on["peaks_bytes"]) <= budget)
     return {"ok": ok, "budget_bytes": budget, "peaks_bytes": on["peaks_bytes"],
             "peaks_without_compiler_bytes": off["peaks_bytes"], "bit_equal": on["bit_equal"],
-            "recording_begun": on["recorded"], "switch_restored": on["switch_after"] is False}
+            "recording_begun": on["recorded"], "switch_restored": on["switch_after"] is False,
+            "compiler": {"time_per_call": on["time_per_call"]}, "no_compiler": {"time_per_call": off["time_per_call"]}}
 
 
 if __name__ == "__main__":

@@ -241,7 +241,9 @@ def scenario(pack, dev, d: int = 1024, depth: int = 8, steps: int = 3, room_byte
             "weights": len(ptrs), "host_pins_left": host_pins_left, "page_locked_left": page_locked_left,
             "unpin_warnings": warned.messages[:3], "next_run_bit_equal": exact,
             "bit_equal_to_plain": all(torch.equal(o, ref) for o in first + again),
-            "left_after_next_run": list(after_next)}
+            "left_after_next_run": list(after_next),
+            "time_per_call": {"predicted_s": None, "measured_s": None, "error": None,
+                              "no_prediction": "the host detaches the model inside a forward: no steady calls to time"}}
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _run(model, x, ref, dev, budget, keep: bool, forwards: int) -> dict:
+def _run(model, x, ref, dev, budget, keep: bool, forwards: int, timing=None) -> dict:
     pinned0 = hm.PAGE_LOCKED.bytes
     eng = Engine(model, EngineConfig(budget_bytes=budget, device=str(dev), keep_file_backed=keep))
     exact, times = [], []
@@ -55,17 +55,21 @@ def _run(model, x, ref, dev, budget, keep: bool, forwards: int) -> dict:
             exact.append(torch.equal(out, ref))
         pinned = hm.PAGE_LOCKED.bytes - pinned0
         flat = len(eng.executor.masters.masters)
-    return {"bit_equal_per_forward": exact, "page_locked_bytes": pinned, "flat_masters": flat,
-            "first_forward_s": times[0], "forward_s": min(times[1:]) if len(times) > 1 else None,
-            "streamed_bytes_per_forward": eng.last_plan.streamed_bytes_per_forward}
+    out = {"bit_equal_per_forward": exact, "page_locked_bytes": pinned, "flat_masters": flat,
+           "first_forward_s": times[0], "forward_s": min(times[1:]) if len(times) > 1 else None,
+           "streamed_bytes_per_forward": eng.last_plan.streamed_bytes_per_forward}
+    if timing is not None:
+        out["time_per_call"] = timing(eng)
+    return out
 
 
 def check(dev, budget_to_stream, d: int = 1024, depth: int = 8, tokens: int = 256, forwards: int = 4,
-          inputs_on: torch.device | None = None, host=None) -> dict:
+          inputs_on: torch.device | None = None, host=None, timing=None) -> dict:
     """Both ways on ``dev`` under ``budget_to_stream(model, inputs, dev)`` (``gpu_check``'s: about
     half the weights streamed, measured on the copy in RAM, as a probe's flat masters would take
     the mapped tensors' place); ``host`` is a context for building host tensors (the
-    simulator's)."""
+    simulator's); ``timing(engine)``, where given, each way's predicted against measured time per
+    call (``gpu_check.time_per_call``)."""
     host = host or contextlib.nullcontext
     place = inputs_on if inputs_on is not None else dev
 
@@ -82,8 +86,8 @@ def check(dev, budget_to_stream, d: int = 1024, depth: int = 8, tokens: int = 25
         ref = src.to(place)(*x)
         src.to("cpu")
         budget = budget_to_stream(src, x, dev)
-        window = _run(mapped, x, ref, dev, budget, True, forwards)
-        flat = _run(src, x, ref, dev, budget, False, forwards)
+        window = _run(mapped, x, ref, dev, budget, True, forwards, timing)
+        flat = _run(src, x, ref, dev, budget, False, forwards, timing)
         kept = where == {k: t.data_ptr() for k, t in mapped.state_dict(keep_vars=True).items()}
     cap = hm.BOUNCE_PIECES * hm.BOUNCE_PIECE
     ok = (all(window["bit_equal_per_forward"]) and all(flat["bit_equal_per_forward"]) and kept

@@ -6,6 +6,18 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BPS, FLOPS = 2e9, 1e9   # the simulated link and throughput, given to the engine as its figures
+
+
+def _timed(sim, monkeypatch):
+    """The simulated accelerator's copies and kernels take time, and the engine plans with the
+    same figures (as a GPU's cached bandwidth and throughput): its plans carry a prediction."""
+    from sim_cuda import flop_seconds
+    from vramcut_core import bandwidth
+
+    sim.set_durations(copy_bytes_per_s=BPS, op_seconds=flop_seconds(FLOPS))
+    monkeypatch.setattr(bandwidth, "cached_host_to_device", lambda device: BPS)
+    monkeypatch.setattr(bandwidth, "matmul_throughput", lambda device, dtype=None: {"flops_per_s": FLOPS})
 
 
 def _values(d):
@@ -51,12 +63,16 @@ def test_file_backed_check_runs_on_the_simulated_accelerator(monkeypatch):
     monkeypatch.setattr(hm.PAGE_LOCKED, "cap", -1)
     monkeypatch.setattr(hm, "_BOUNCE", None)
     with simulated_cuda(monkeypatch) as sim:
+        _timed(sim, monkeypatch)
         res = fb.check(torch.device("cuda"), gpu_check._budget_to_stream, d=64, depth=4, tokens=16, forwards=3,
-                       inputs_on=torch.device("cpu"), host=sim.host_memory)
+                       inputs_on=torch.device("cpu"), host=sim.host_memory, timing=gpu_check.time_per_call)
         gc.collect()
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res
     assert res["file_backed"]["page_locked_bytes"] > 0 and res["flat_masters"]["flat_masters"] > 0
+    for way in ("file_backed", "flat_masters"):   # predicted against measured time per call, both ways
+        t = res[way]["time_per_call"]
+        assert t["predicted_s"] > 0 and t["measured_s"] > 0 and t["error"] is not None, (way, t)
 
 
 def test_outgrow_check_runs_on_the_simulated_accelerator(monkeypatch):
@@ -71,6 +87,7 @@ def test_outgrow_check_runs_on_the_simulated_accelerator(monkeypatch):
     from sim_cuda import simulated_cuda
 
     with simulated_cuda(monkeypatch) as sim:
+        _timed(sim, monkeypatch)
         monkeypatch.setattr(gpu_check._SyncCounter, "NAMES", ((torch.cuda, "synchronize"), (torch.cuda, "empty_cache")))
         with torch.no_grad():
             res = gpu_check.check_outgrow(torch.device("cuda"), d=32, depth=8, tokens=8,
@@ -79,6 +96,43 @@ def test_outgrow_check_runs_on_the_simulated_accelerator(monkeypatch):
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res
     assert res["over_budget_forwards"] == 1
+    # the re-planned steady forwards' time per call: the simulator's is the timeline's prediction
+    t = res["time_per_call"]
+    assert t["predicted_s"] > 0 and t["measured_s"] > 0 and abs(t["error"]) < 0.02, t
+    assert gpu_check.time_text(t).startswith("predicted ") and " ms/call, measured " in gpu_check.time_text(t)
+
+
+def test_a_check_without_a_prediction_says_why(monkeypatch):
+    """Residency by bytes (``speed="count"``) or no bandwidth figure: no predicted time, and the
+    check's line says why instead of printing a figure."""
+    import gc
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_check
+    from sim_cuda import simulated_cuda
+    from vramcut_core import Engine, EngineConfig, bandwidth
+
+    monkeypatch.setattr(bandwidth, "cached_host_to_device", lambda device: None)
+    with simulated_cuda(monkeypatch) as sim:
+        with sim.host_memory():
+            model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+            x = torch.randn(2, 16)
+        why = {}
+        for name, cfg in (("count", dict(speed="count")), ("no_bandwidth", {})):
+            eng = Engine(model, EngineConfig(budget_bytes=1 << 20, device="cuda", **cfg))
+            with torch.no_grad(), eng.session():
+                for _ in range(3):
+                    eng.run(model, x)
+            t = gpu_check.time_per_call(eng)
+            eng.release()
+            del eng
+            gc.collect()
+            assert t["predicted_s"] is None and t["error"] is None, t
+            why[name] = gpu_check.time_text(t)
+    assert why["count"].startswith("no prediction (speed=count on cuda: residency by bytes"), why
+    assert why["no_bandwidth"].startswith("no prediction (no host-to-device bandwidth figure for cuda)"), why
 
 
 def test_detach_check_without_a_host_says_it_was_skipped_and_why(monkeypatch, tmp_path):
@@ -115,5 +169,9 @@ def test_devices_check_runs_on_two_simulated_gpus(monkeypatch):
         gc.collect()
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res
+    # each run's time per call is there (the simulator's copies and kernels take no time here)
+    for run in ("one_gpu", "two_gpus"):
+        assert {"predicted_s", "measured_s", "error"} <= set(res[run]["time_per_call"]), res[run]
+    assert res["two_gpus"]["time_per_call"]["no_prediction"].startswith("several devices")
     assert res["two_gpus"]["host_bytes_per_call"] < res["one_gpu"]["host_bytes_per_call"]
     assert res["two_gpus"]["hop_bytes_per_call"] > 0 and res["one_gpu"]["hops"] == []
