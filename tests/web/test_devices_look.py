@@ -126,16 +126,16 @@ def test_one_row_per_device_the_hops_and_the_time_line_at_the_default_width(comf
     tb._save("devices_360.png", tb._node_crop(browser, node, 1.0))
     _whole(v)
     rows = " ".join(_kind(v, "device"))
-    assert "cuda:0 · 9.00 / 10.00 GiB · 2.00 GiB streamed per call" in rows, rows
-    assert "cuda:1 · 6.50 / 6.00 GiB · nothing streamed" in rows, rows
+    assert "cuda:0 · 9.000 / 10.000 GiB · 2.00 GiB streamed per call" in rows, rows
+    assert "cuda:1 · 6.500 / 6.000 GiB · nothing streamed" in rows, rows
     answer = " ".join(_kind(v, "answer"))
-    assert answer.startswith("over budget") and "peak cuda:0 9.00/10.00 GiB, cuda:1 6.50/6.00 GiB" in answer, answer
+    assert answer.startswith("over budget") and "peak cuda:0 9.000/10.000 GiB, cuda:1 6.500/6.000 GiB" in answer, answer
     assert "2.00 GiB streamed per call" in answer and "1 hop per call" in answer, answer
     assert "/ step" not in answer, "the time is the time line's, once"
     assert _kind(v, "hops") == ["hop: cuda:0 → cuda:1 before double_blocks.10, 3.0 MiB"], v["texts"]
     assert _kind(v, "time") == ["predicted +0.20 s / call (1.20× resident)"], v["texts"]
     assert _kind(v, "refit") == []
-    assert _kind(v, "budget") == ["cuda:0 10.00 GiB · cuda:1 free"], v["texts"]
+    assert _kind(v, "budget") == ["cuda:0 10.000 GiB · cuda:1 free"], v["texts"]
     # each device's bar: resident blue below its row's text, the over-budget row's text in red
     device_texts = [t for t in v["texts"] if t["kind"] == "device"]
     assert device_texts[-1]["color"].lower() == "#ef4444" and device_texts[0]["color"].lower() != "#ef4444"
@@ -157,7 +157,7 @@ def test_one_row_per_device_the_hops_and_the_time_line_at_the_default_width(comf
     tb._save("devices_measured_360.png", tb._node_crop(browser, node, 1.0))
     _whole(v)
     assert _kind(v, "time") == ["measured 1.35 s / call · predicted 1.20 s (−11 %)"], v["texts"]
-    assert _kind(v, "refit") == ["re-planned: free VRAM fell to 5.00 GiB (was 8.00)"], v["texts"]
+    assert _kind(v, "refit") == ["re-planned: free VRAM fell to 5.000 GiB (was 8.000)"], v["texts"]
 
     # narrower: still whole (rows wrap), nothing under the buttons
     for width in look.NARROW_WIDTHS[:1]:
@@ -184,5 +184,5 @@ def test_a_plan_without_devices_or_time_is_drawn_as_before(comfy_server, browser
     v = _shown(browser, r["id"], plain, "the plan", lambda v: _kind(v, "answer"))
     assert not any(t["kind"] in ("device", "hops", "time", "refit") for t in v["texts"]), v["texts"]
     answer = " ".join(_kind(v, "answer"))
-    assert answer.startswith("fits") and "blocks streamed" in answer and "/ step (estimate)" in answer, answer
-    assert _kind(v, "budget") == ["16.00 GiB per model"], v["texts"]
+    assert answer.startswith("fits") and "blocks streamed" in answer and "/ call (estimate)" in answer, answer
+    assert _kind(v, "budget") == ["16.000 GiB per model"], v["texts"]
