@@ -43,7 +43,7 @@ WIDGETS = ["max_vram_gb", "budget_mode", "reserve_gb", "prefetch", "residency"]
 
 TINY_UNITS = 7               # the tiny SD3's units (blocks) as the planner cuts it
 TINY_SHAPE = (64, 64)        # the example's preview shape set for the tiny SD3 (it takes <= 256 px): 2 resident segments at TINY_BUDGET_GB
-WIDGETS_HEIGHT_MAX = 220     # the five widgets, the four socket rows (preview_shape: +20), the title and margins, in graph units
+WIDGETS_HEIGHT_MAX = 240     # the five widgets, the five socket rows (preview_shape and devices: +20 each), the title and margins, in graph units
 MIN_PLAN_ROW = 24            # web/vramcut.js MIN_WIDGET_HEIGHT: the header row
 
 PROMPT_TIMEOUT_S = 120
