@@ -2,10 +2,13 @@
 (a package named after its folder), so its relative imports are the ones ComfyUI runs."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 import tiny_models as tm
 from pack_nodes import load_pack, run_node
+from sim_cuda import simulated_cuda
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,3 +44,36 @@ def max_vram(pack):
         return out, ui["vramcut"][0]
 
     return apply
+
+
+# The simulated accelerator, and the host page-locking its offloaded weights itself (0.33+): shared
+# by the pinned-teardown test and the GPU check's detach test.
+
+@pytest.fixture
+def sim(monkeypatch, pack):
+    with simulated_cuda(monkeypatch, runtimes=(pack.vramcut_core.runtime,)) as s:
+        yield s
+        gc.collect()
+    assert not s.hazards, "hazards:\n" + "\n".join(s.hazards[:10])
+
+
+@pytest.fixture
+def host_pins(comfy, pack, monkeypatch):
+    """The host's own page-locking on, its table empty; the pack's ledger with no cap of its own."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    from comfy.cli_args import args
+
+    if not hasattr(comfy.model_patcher.ModelPatcher, "unpin_all_weights"):
+        pytest.skip("this host does not page-lock offloaded weights itself")
+    monkeypatch.setattr(args, "disable_pinned_memory", False, raising=False)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 8 << 30)
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
+    ledger = pack.vramcut_core.runtime.host_memory.PAGE_LOCKED
+    monkeypatch.setattr(ledger, "room", None)
+    monkeypatch.setattr(ledger, "bytes", 0)
+    monkeypatch.setattr(ledger, "cap", -1)
+    monkeypatch.setattr(pack.vramcut_core.bandwidth, "host_to_device",
+                        lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
+    return mm

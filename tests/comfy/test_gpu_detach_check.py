@@ -12,43 +12,13 @@ import sys
 import pytest
 import torch
 
-from sim_cuda import simulated_cuda
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bench"))
 import gpu_detach_check  # noqa: E402
+from sim_cuda import simulated_cuda  # noqa: E402
 
 GIB = 1 << 30
-
-
-@pytest.fixture
-def sim(monkeypatch, pack):
-    with simulated_cuda(monkeypatch, runtimes=(pack.vramcut_core.runtime,)) as s:
-        yield s
-        gc.collect()
-    assert not s.hazards, "hazards:\n" + "\n".join(s.hazards[:10])
-
-
-@pytest.fixture
-def host_pins(comfy, pack, monkeypatch):
-    """The host's own page-locking on, its table empty; the pack's ledger with no cap of its own."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
-    from comfy.cli_args import args
-
-    if not hasattr(comfy.model_patcher.ModelPatcher, "unpin_all_weights"):
-        pytest.skip("this host does not page-lock offloaded weights itself")
-    monkeypatch.setattr(args, "disable_pinned_memory", False, raising=False)
-    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 8 * GIB)
-    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
-    monkeypatch.setattr(mm, "PINNED_MEMORY", {})
-    ledger = pack.vramcut_core.runtime.host_memory.PAGE_LOCKED
-    monkeypatch.setattr(ledger, "room", None)
-    monkeypatch.setattr(ledger, "bytes", 0)
-    monkeypatch.setattr(ledger, "cap", -1)
-    monkeypatch.setattr(pack.vramcut_core.bandwidth, "host_to_device",
-                        lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
-    return mm
 
 
 def _scenario(pack, sim):
