@@ -568,6 +568,34 @@ def test_weights_the_host_pinned_are_copied_from_where_they_are(sim):
         rt.cudaHostUnregister(ptr)
 
 
+def test_a_unit_the_host_page_locked_in_part_streams_without_a_host_wait(sim):
+    """ComfyUI page-locks the weights and biases of its own layers, not a block's other
+    parameters (Wan's ``modulation``, norms of plain torch modules): the pageable rest of a
+    streamed unit goes through torch's page-locked staging, so a steady forward never waits."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(TransformerStack())
+        x = ids()
+        ref = model(x)
+    rt = torch.cuda.cudart()
+    linear = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+    ptrs = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in linear}
+    for ptr, n in ptrs.items():
+        rt.cudaHostRegister(ptr, n, 0)
+    assert any(not p.is_pinned() for p in model.parameters()), "some of a unit's tensors stay pageable"
+    with torch.no_grad():
+        eng = cuda_engine(model, budget_for(model, x))
+        with eng.session():
+            outs = [eng.run(model, x) for _ in range(2)]
+            syncs = sim.host_syncs
+            outs += [eng.run(model, x) for _ in range(2)]
+            assert sim.host_syncs == syncs, "a steady forward waited for a pageable copy"
+            assert eng.last_stats.bytes_streamed > 0
+        assert all(torch.equal(o, ref) for o in outs)
+    torch.cuda.synchronize()
+    for ptr in ptrs:
+        rt.cudaHostUnregister(ptr)
+
+
 def test_masters_rebuilt_when_the_host_moves_the_weights(sim):
     with sim.host_memory(), torch.no_grad():
         model = seeded(TransformerStack())

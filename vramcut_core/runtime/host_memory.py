@@ -145,7 +145,7 @@ def staged(buf: torch.Tensor, place: torch.device) -> tuple[torch.Tensor, bool]:
     """A page-locked copy of a pageable master from torch's host allocator (reused after the copy
     that reads it has finished), so the device copy stays asynchronous; the master itself where
     that fails or the page-locked room is spent (then copied synchronously, on purpose)."""
-    if not PAGE_LOCKED.staging_room(buf.numel()):
+    if not PAGE_LOCKED.staging_room(buf.numel() * buf.element_size()):
         return buf, False
     try:
         return buf.pin_memory(), True

@@ -217,17 +217,17 @@ class Transfers:
             for i, off, n in lay.flat:
                 src = self.binding.host(name, i)
                 v = view(buf, base + off, n, src)
-                v.copy_(src, non_blocking=self._async_from(src))
+                v.copy_(*self._source(src))
                 dc.views[i] = v
             for i, spans in lay.quant.items():
                 t = unit.tensors[i].tensor  # the host object (the layer sees a rebuilt one)
                 views = quant_views(buf, t, spans, base)
                 for v, p in zip(views, quant.parts(t)):
-                    v.copy_(p, non_blocking=self._async_from(p))
+                    v.copy_(*self._source(p))
                 dc.parts[i] = views
         for i in lay.other:
-            src = self.binding.host(name, i)
-            dev = src.to(place, non_blocking=self._async_from(src), copy=True)
+            src, async_ok = self._source(self.binding.host(name, i))
+            dev = src.to(place, non_blocking=async_ok, copy=True)
             if self.cuda:
                 # allocated on the copy stream, used on the compute stream: keep the
                 # allocator from reusing it before compute is done with it
@@ -259,11 +259,22 @@ class Transfers:
             done.record(self.copy_stream)
             bounce.read_by(k, self.copy_stream, done)
 
-    def _async_from(self, src: torch.Tensor) -> bool:
-        """Whether a copy from ``src`` may be asynchronous: on CUDA from page-locked memory only.
+    def _source(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """What a copy of one host tensor reads, and whether it may be asynchronous: on CUDA,
+        page-locked memory as it is; pageable memory (a unit the host page-locked only in part:
+        its other tensors) staged through torch's page-locked host cache where page-locking is on.
         hazard: a non-blocking copy from pageable memory makes the host wait anyway (CUDA stages
         it), unseen; it is synchronous here on purpose (pin_memory off, no room to stage)."""
-        return self.cuda and src.is_pinned()
+        if not self.cuda:
+            return src, False
+        if src.is_pinned():
+            return src, True
+        if not self.masters.pin:
+            return src, False
+        out, async_ok = staged(src, self.memory.place)
+        if out is not src:
+            self._staged_bytes += host_alloc_size(src.numel() * src.element_size())
+        return out, async_ok
 
     def order_readers(self, ready) -> None:
         """Every stream that reads the weights waits for the copy that put them there."""
