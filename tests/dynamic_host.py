@@ -51,6 +51,10 @@ def _base():
 class DynamicStandIn(_base()):
     """See the module docstring."""
 
+    # where a force-loaded parameter goes for a load device (a simulated accelerator maps its
+    # devices onto host memory: tests running on one set this to its placement)
+    place = staticmethod(lambda device: device)
+
     def _register(self) -> None:
         if not hasattr(self.model, "dynamic_patchers"):
             self.model.dynamic_patchers = set()
@@ -122,7 +126,7 @@ class DynamicStandIn(_base()):
                     key = f"{n}.{param}" if n else param
                     if key not in self.backup:
                         self.backup[key] = collections.namedtuple("Dimension", ["weight", "inplace_update"])(weight, False)
-                    cast = weight.to(device=device_to)
+                    cast = weight.to(device=self.place(device_to))
                     comfy.utils.set_attr_param(self.model, key, cast)
                     self.model.model_loaded_weight_memory += cast.numel() * cast.element_size()
         self.model.device = device_to

@@ -93,7 +93,7 @@ def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     state = _ModuleState(module)
     swapped: list[tuple] = []
-    hops = Hops(placed, home, rule, device_of=lambda t: t.device, move=lambda t, d: t.to(d))
+    hops = Hops(placed, home, rule, device_of=lambda t: t.device, move=lambda t, d: t.to(d), current=False)
     try:
         def fake_input(t):
             where = hops_room._device_of(t)

@@ -393,3 +393,65 @@ def test_dry_run_across_devices_failure_names_what_failed(sim2, kind, match):
         assert check.error is None and set(check.reasons) == {"keep", "home"}
     else:
         assert check.error.startswith("NotImplementedError") and check.reasons == {}
+
+
+class _CurrentDeviceBlock(torch.nn.Module):
+    """A block that makes a tensor where its input is and mixes the two, as ComfyUI's attention
+    does (``torch.empty(..., device=query.device)`` before a ``baddbmm``). In the simulator a
+    tensor made outside host memory is the current device's, as one made on "the" CUDA device
+    (``device="cuda"``, a stream or generator taken without naming a device) is on a GPU."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.seen.append(torch.cuda.current_device())
+        return x + self.fc(x) * torch.full((x.shape[-1],), 0.5, device=x.device)
+
+
+class _CurrentDeviceModel(torch.nn.Module):
+    def __init__(self, d: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_CurrentDeviceBlock(d) for _ in range(depth))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_unit_on_another_gpu_computes_with_its_device_current(sim2):
+    """While a unit placed on cuda:1 computes, cuda:1 is the current device (what the model makes
+    on "the" CUDA device is made where the unit computes), and the caller's current device is
+    back after each unit, after the forward and after an error inside a unit."""
+    with sim2.host_memory(), torch.no_grad():
+        torch.manual_seed(0)
+        model = _CurrentDeviceModel()
+        x = torch.randn(2, 5, 32)
+        ref = model(x)
+    for b in model.blocks:
+        b.seen.clear()
+    args = (x.clone(),)   # made outside host memory: device memory of cuda:0
+    with torch.no_grad():
+        devs = budgets(model, args, 2)
+        eng = engine(devs, model)
+        with eng.session():
+            outs = [eng.run(model, *args) for _ in range(3)]
+        assert all(torch.equal(o, ref) for o in outs)
+        placed = {eng.placement.units[i].name: int(d.device[-1]) for d in eng.placement.used
+                  for i in range(d.first, d.stop)}
+        assert set(placed.values()) == {0, 1}
+        for i, b in enumerate(model.blocks):
+            assert b.seen and set(b.seen[-3:]) == {placed[f"blocks.{i}"]}, (i, b.seen)
+        assert sim2.current_device == 0
+
+        last = model.blocks[-1]
+        boom = last.fc.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+        try:
+            with pytest.raises(RuntimeError, match="boom"):
+                eng.run(model, *args)
+        finally:
+            boom.remove()
+        assert sim2.current_device == 0

@@ -20,6 +20,12 @@ a block's children directly, never the block): a per-unit depth counts its modul
 only the outermost call moves anything. A tensor read by several units (Flux's ``vec``, ``pe``)
 moves once per forward and destination, unless it was written in place since (its version).
 
+While a unit on another CUDA device than the current one computes, that device is current
+(``torch.cuda.device``, entered at the unit's outermost call and left at its end, errors
+included): what the model's code makes on "the" CUDA device (``device="cuda"``, a stream or
+generator taken without naming a device) is made where the unit computes, as on one GPU. The
+dry run on fake devices does not switch (``current=False``): fake tensors need no current device.
+
 The one rule: hooks are removed in ``finally`` (``remove``), and outside an installed forward
 nothing is moved. May call torch hooks and ``device_memory``'s placement seam.
 """
@@ -53,7 +59,8 @@ class Hops:
 
     def __init__(self, units: Sequence[tuple[object, torch.device]], home: torch.device, rule: str,
                  device_of: Callable[[torch.Tensor], torch.device] | None = None,
-                 move: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None) -> None:
+                 move: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None,
+                 current: bool = True) -> None:
         self.units = [(u, torch.device(d)) for u, d in units]
         self.home = torch.device(home)
         self.rule = rule
@@ -61,6 +68,8 @@ class Hops:
         self._move = move
         self._hooks: list = []
         self._depth: dict[str, int] = {}
+        self._current = current
+        self._entered: dict[str, object] = {}   # unit -> its device's context, while it computes
         self._cache: dict[tuple[int, torch.device], tuple[weakref.ref, int, torch.Tensor]] = {}
         self.moves: dict[tuple[str, str, str], int] = {}   # (src, dst, unit) -> bytes moved this forward
         self.count = 0                                       # moves this forward
@@ -120,11 +129,20 @@ class Hops:
         self._depth[name] = d + 1
         if d:
             return None  # a call inside the unit: its inputs are where the unit computes
+        if self._current and dev.type == "cuda":
+            ctx = torch.cuda.device(dev)
+            ctx.__enter__()
+            self._entered[name] = ctx
         return self.to((args, kwargs), dev, name)
 
     def _leave(self, name: str, back: bool, out):
         d = self._depth[name] = max(0, self._depth.get(name, 1) - 1)
-        if d or not back:
+        if d:
+            return None
+        ctx = self._entered.pop(name, None)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        if not back:
             return None
         return self.to(out, self.home, name)
 
@@ -136,6 +154,9 @@ class Hops:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for ctx in reversed(list(self._entered.values())):   # a forward that ended inside a unit
+            ctx.__exit__(None, None, None)
+        self._entered.clear()
         self._depth.clear()
         self._cache.clear()
 
