@@ -76,10 +76,11 @@ class Devices:
         self.entries()
         return self
 
-    def budgets(self, home, free_memory=None) -> tuple[tuple[str, int], ...]:
+    def budgets(self, home, free_memory=None, held=None) -> tuple[tuple[str, int], ...]:
         """The budget of each device in bytes, ``free`` resolved now: the device's free memory
-        less ``reserve_gb`` (on ``home``, the device the model computes on, ``free_memory(device)``
-        where the host answers what it could free). ``home`` must be in the list."""
+        (plus ``held[device]``, what the model's engine holds there itself) less ``reserve_gb``
+        (on ``home``, the device the model computes on, ``free_memory(device)`` where the host
+        answers what it could free). ``home`` must be in the list."""
         entries = self.entries()
         home = device_name(home)
         if home not in (d for d, _ in entries):
@@ -88,13 +89,20 @@ class Devices:
         for name, b in entries:
             if b is None:
                 ask = free_memory if (free_memory is not None and name == home) else mm.get_free_memory
-                free = int(ask(torch.device(name)))
+                free = int(ask(torch.device(name))) + int((held or {}).get(name, 0))
                 b = free - int(self.reserve_gb * GIB)
                 if b <= 0:
                     raise VRAMCutError(f"devices: {name}=free: free VRAM {fmt_bytes(free)} minus reserve "
                                        f"{self.reserve_gb:g} GiB leaves no budget")
             out.append((name, int(b)))
         return tuple(out)
+
+    def follows_free(self) -> bool:
+        """Whether some device's budget is ``free`` (read again before each call)."""
+        try:
+            return any(b is None for _, b in self.entries())
+        except VRAMCutError:
+            return False
 
     def fixed_budget(self, device) -> int | None:
         """The budget given for ``device`` in bytes, or None (free, or not in the list)."""

@@ -25,7 +25,7 @@ from comfy.patcher_extension import CallbacksMP
 
 from .gpu import held_bytes, host_fast_disk, weights_changing
 from .lora import _host_patch_functions, merge_shape_changing_on_host, mergeable_patch_keys
-from .state import KEY, PatchState, VRAMCutError, state_of
+from .state import KEY, PatchState, VRAMCutError, running_on, state_of, wait_all_copies
 
 
 def _any_weight_on(module: torch.nn.Module, device) -> bool:
@@ -121,16 +121,22 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         pinned = getattr(self, "pinned", None)
         if st is None or not pinned:
             return super().unpin_all_weights()
-        if st.running:
-            # a forward runs on the engines' device copies: the parameters point at those, and
-            # the host would unpin them and leave its own page-locked tensors registered. Its
-            # tensors are unpinned once the forward has ended and they are the masters again.
-            st.after_forward(functools.partial(_unpin_host_pins, self.model, frozenset(pinned)))
+        running = st if st.running else running_on(self.model)
+        if running is not None:
+            # a forward runs on the engines' device copies (this patch's, or another clone's of
+            # the same model: clones share the host's pinned weights): the parameters point at
+            # those, and the host would unpin them and leave its own page-locked tensors
+            # registered. Its tensors are unpinned once the forward has ended and they are the
+            # masters again.
+            running.after_forward(functools.partial(_unpin_host_pins, self.model, frozenset(pinned)))
             pinned.clear()  # as the host's own unpin leaves its table (shared by clones)
             return None
         # weights held between steps point at device copies, and copies may still read the
-        # host's tensors: give them back first, so the host unpins its own, with no copy reading
+        # host's tensors: give them back first, so the host unpins its own, with no copy reading.
+        # Clones share the host's pinned weights: another patch's engine (running or not) may be
+        # copying from them now, so every engine's copies land first.
         st.release()
+        wait_all_copies()
         return super().unpin_all_weights()
 
     def detach(self, unpatch_all=True):

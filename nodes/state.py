@@ -91,8 +91,11 @@ class Settings:
 
     @property
     def refits(self) -> bool:
-        """The budget follows free VRAM: re-read before each call (one device, 'free VRAM minus reserve')."""
-        return self.devices is None and self.budget_mode != "fixed"
+        """The budget follows free VRAM: re-read before each call (one device, 'free VRAM minus
+        reserve'; with devices, where a device's budget is ``free``)."""
+        if self.devices is not None:
+            return self.devices.follows_free()
+        return self.budget_mode != "fixed"
 
 
 class Previewed(Exception):
@@ -283,6 +286,7 @@ class PatchState:
         self.teardown_pending = False  # the host tore the model down during a forward: release after it
         self._after_forward: list = []  # what the host's teardown left for the end of the running forward
         self.previewing = False  # a plan preview: calls reaching ``run`` give their traced plan, nothing runs
+        _STATES.add(self)
 
     def on_model_patcher_clone(self):
         return self
@@ -378,7 +382,12 @@ class PatchState:
         memory between calls) plus what this engine holds itself, less the reserve. The engine
         decides whether the change is worth planning again (it keeps its plan on small
         wobbles) and says so in its plan ("refit"). One reading of the host's free-memory
-        figure per call: no host sync beyond what the host does itself."""
+        figure per call: no host sync beyond what the host does itself. With devices, each
+        ``free`` device's budget is read so (``Engine.set_devices``)."""
+        if self.settings.devices is not None:
+            engine.set_devices(self.settings.devices.budgets(engine.config.device, self.free_memory,
+                                                             held=engine.held_bytes_by_device))
+            return
         ask = self.free_memory or mm.get_free_memory
         held = engine.held_bytes
         engine.set_budget(self.settings.budget_bytes(torch.device(engine.config.device),
@@ -468,6 +477,28 @@ def _host_fallback(kind: str, fn, args) -> bool | None:
     if tile is None or x is None or x.ndim < 4:
         return True
     return max(x.shape[-2:]) > tile
+
+
+_STATES: "weakref.WeakSet[PatchState]" = weakref.WeakSet()   # every patch alive in the process
+
+
+def wait_all_copies() -> None:
+    """Every live engine's copies landed (the host is about to unpin weights that clones of one
+    model share: a clone of another patch may be streaming from them)."""
+    for st in list(_STATES):
+        for eng in st.engines():
+            eng.wait_copies()
+
+
+def running_on(model: torch.nn.Module) -> "PatchState | None":
+    """The patch whose engine runs a forward of ``model`` (or a module inside it) now, if any:
+    clones of one model share the host's pinned weights, so another clone's teardown must wait
+    for that forward's end."""
+    for st in list(_STATES):
+        for eng in st.engines():
+            if eng.running and (eng.module is model or any(m is eng.module for m in model.modules())):
+                return st
+    return None
 
 
 def state_of(patcher) -> PatchState | None:

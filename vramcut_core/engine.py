@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -41,7 +41,8 @@ from .executor import SegmentedExecutor
 from .placement import Placement, place
 from .runtime.hops import HOME
 from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .plan import STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, refit_budget, refit_reason
+from .plan import (REFIT_MARGIN, STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, gib_text, refit_budget,
+                   refit_reason)
 from .report import RunStats, plan_to_json, plan_to_text
 from .tensors import fmt_bytes, max_abs_diff
 from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
@@ -173,6 +174,9 @@ class Engine:
             self.executor = make(config.device)
         self.executors = self.group.executors if self.group is not None else [self.executor]
         self._placed: dict[tuple, tuple[Placement, str, list]] = {}  # sig -> placement, hop rule, dry-run hops
+        self._place_for: tuple[tuple[str, int], ...] | None = None   # budgets placed for, where below the config's
+        self._device_refit: Refit | None = None   # why the placements were made again for new budgets
+        self._to_place: set[tuple] = set()   # signatures to place again from their measurements
         self.device_stats: dict[str, RunStats] = {}   # per device, the forwards that ran a placement
         self.last_device_stats: dict[str, RunStats] = {}
         self.planner.block_bytes = self.executor.memory.block_bytes
@@ -363,12 +367,68 @@ class Engine:
             if self.on_plan is not None:
                 self.on_plan(self, new, self.last_signature)
 
+    def set_devices(self, devices: Sequence[tuple[str, int]]) -> None:
+        """New budgets for the same devices (a ``free`` entry read again before a call; see
+        ``set_budget`` for one device). The placements are kept while each device's part still
+        holds its peak and no budget grew past ``plan.REFIT_MARGIN`` (``plan.refit_reason`` per
+        device); else every signature measured is placed again at its next forward from its
+        measurements (no forward measures again; the hops of a new cut from the dry run on fake
+        devices), a fallen budget placed ``plan.REFIT_DOWN_MARGIN`` below it, and the plan
+        carries why (``Plan.refit``). Budgets too small for a measured shape refuse it then."""
+        devices = tuple((str(torch.device(d)), int(b)) for d, b in devices)
+        old = self.config.devices
+        if devices == old:
+            return
+        if [d for d, _ in devices] != [d for d, _ in old]:
+            raise ValueError(f"set_devices: new budgets for the same devices ({', '.join(d for d, _ in old)}), "
+                             f"in the same order; got {', '.join(d for d, _ in devices)}")
+        self.config = dataclasses.replace(self.config, devices=devices, budget_bytes=sum(b for _, b in devices))
+        self._failed.clear()
+        placed = self._placed.get(self.last_signature) if self.last_signature is not None else None
+        new = dict(devices)
+        whys = []
+        for d in placed[0].devices if placed is not None else ():
+            if d.plan is not None:
+                why = refit_reason(d.plan, new[d.device])
+            elif new[d.device] > d.budget_bytes * (1 + REFIT_MARGIN) and placed[0].host_bytes_per_forward:
+                why = f"the budget grew to {gib_text(new[d.device])} GiB"
+            else:
+                why = None
+            if why:
+                whys.append(f"{d.device}: {why}")
+        if placed is not None and not whys:
+            if self._place_for is not None:   # a new shape: placed for no more than either says
+                was = dict(self._place_for)
+                self._place_for = tuple((d, min(b, was.get(d, b))) for d, b in devices)
+            return   # every device's part still holds
+        self._to_place = set(self._placed) & set(self.measurements)
+        self._placed.clear()
+        self._plans.clear()
+        self._joined.clear()
+        if placed is None:
+            self._place_for = None
+            return   # nothing placed yet
+        why = "; ".join(whys)
+        log.warning("VRAMCut: %s; placing again", why)
+        if not self.running:
+            self.release()   # the old placement's buffers go before the new one allocates
+        before = {d.device: d.budget_bytes for d in placed[0].devices}
+        self._place_for = tuple((d, refit_budget(b, before.get(d, b))) for d, b in devices)
+        self._device_refit = Refit(why, sum(b for _, b in devices), sum(before.values()))
+
     def _forget_plans(self) -> None:
         """Drop the plans cached per signature, the shapes sharing them and the failures."""
         self._plans.clear()
         self._joined.clear()
         self._failed.clear()
         self._placed.clear()
+
+    def wait_copies(self) -> None:
+        """Block the host until every copy the engine has issued has landed, on every device:
+        for a host about to unpin (unregister) host memory those copies may read. A host sync,
+        for teardown only."""
+        for ex in self.executors:
+            ex.transfers.wait_copies()  # hazard: host memory unregistered while a copy reads it
 
     def keep_buffers(self, keep: bool) -> None:
         """Hold device buffers between forwards (a host that ends runs with a callback)."""
@@ -512,8 +572,16 @@ class Engine:
                                               dataclasses.replace(m, flops=counted[n]) for n, m in meas.items()})
         bps = pl.figures.bytes_per_s(self.config) if seconds is not None else None
         units = [pl.plan_unit(pl.all[n], meas, seconds=seconds) for n in order]
-        placed = place(units, list(self.config.devices), pl.options, warnings=pl.unitset.warnings,
-                       bytes_per_s=bps)
+        placed = None
+        low = self._place_for   # a fallen budget placed a margin below it where that fits (``set_devices``)
+        if low is not None and low != self.config.devices:
+            try:
+                placed = place(units, list(low), pl.options, warnings=pl.unitset.warnings, bytes_per_s=bps)
+            except BudgetError:
+                pass
+        if placed is None:
+            placed = place(units, list(self.config.devices), pl.options, warnings=pl.unitset.warnings,
+                           bytes_per_s=bps)
         if not bps:
             return placed
         return dataclasses.replace(placed, devices=tuple(
@@ -531,6 +599,16 @@ class Engine:
         if failed is not None:
             raise failed
         placed = self._placed.get(sig)
+        replaced = placed is None and sig in self._to_place and sig in self.measurements
+        self._to_place.discard(sig)
+        if replaced:   # placed again for new budgets (``set_devices``)
+            try:
+                pl = self._place(self.measurements[sig], sig)
+                check = self._hop_rule(pl, fn, args, kwargs)
+            except BudgetError as e:
+                self._failed[sig] = e
+                raise
+            placed = self._placed[sig] = (pl, check.rule, check.hops)
         first = placed is None
         if first:
             try:
@@ -551,6 +629,8 @@ class Engine:
                 del self._placed[sig]
                 log.warning("VRAMCut: %s; the next forward measures again and places once more", why)
         plan = combined_plan(placed[0], TRACED, self._placed_warnings(sig))
+        if self._device_refit is not None:
+            plan = dataclasses.replace(plan, refit=self._device_refit)
         self._plans[sig] = plan
         for dev, st in stats.items():
             self.device_stats.setdefault(dev, RunStats()).add(st)
@@ -559,7 +639,7 @@ class Engine:
         self._record(plan, sig, one)
         if not first:
             self.steady_stats.add(one)
-        if self.on_plan is not None and first:
+        if self.on_plan is not None and (first or replaced):
             self.on_plan(self, plan, sig)
         return out
 
@@ -595,15 +675,7 @@ class Engine:
                 "on one GPU"))
         meas = {n: dataclasses.replace(m) for n, m in tr.measurements.items()}
         pl = self._place(meas, sig)
-        check = check_hops(self.module, unit_devices(pl, self.planner.unit), torch.device(self.config.device),
-                           fn, args, kwargs)
-        if check.rule is None:
-            why = (f"the dry run across devices could not run: {check.error}" if check.error else
-                   "this model's forward mixes tensors of different devices between its blocks under any "
-                   f"hop rule ({'; '.join(f'{r}: {why}' for r, why in check.reasons.items())})")
-            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
-                f"VRAMCut: {why}; name one device (devices={self.config.device}=GIB, or no devices) to run "
-                "on one GPU"))
+        check = self._hop_rule(pl, fn, args, kwargs)
         for _ in range(4):
             try:
                 out, stats, got = self._guard(lambda f, a, k: self.group.forward(
@@ -634,6 +706,20 @@ class Engine:
             placed = (placed[0], check.rule or HOME, check.hops)
         self._placed[sig] = placed
         return out, stats, placed
+
+    def _hop_rule(self, pl: Placement, fn: Callable, args: tuple, kwargs: dict):
+        """The hop rule of placement ``pl`` from the dry run on fake devices (``check_hops``); a
+        ``BudgetError`` naming one device as the way out where no rule runs."""
+        check = check_hops(self.module, unit_devices(pl, self.planner.unit), torch.device(self.config.device),
+                           fn, args, kwargs)
+        if check.rule is None:
+            why = (f"the dry run across devices could not run: {check.error}" if check.error else
+                   "this model's forward mixes tensors of different devices between its blocks under any "
+                   f"hop rule ({'; '.join(f'{r}: {why}' for r, why in check.reasons.items())})")
+            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
+                f"VRAMCut: {why}; name one device (devices={self.config.device}=GIB, or no devices) to run "
+                "on one GPU"))
+        return check
 
     def _steady(self, sig: tuple, plan: Plan) -> Plan:
         """The plan to run ``sig`` with: its own, or, when it alternates with the last shape while

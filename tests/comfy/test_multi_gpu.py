@@ -182,6 +182,8 @@ def device_budgets(pack, max_vram, patcher, sim, inputs):
     suggestion = getattr(e.value.__cause__, "device_budgets", None)
     assert suggestion, f"the engine suggests budgets per device: {e.value}"
     pack.nodes.state.state_of(clone).release()
+    del clone, e
+    gc.collect()   # the probe's clone goes now, not at a collection inside the measured calls
     return list(suggestion)
 
 
@@ -293,4 +295,75 @@ def test_host_model_across_devices_exact_within_each_budget_weights_where_planne
     for k, t in list(base.diffusion_model.named_parameters()) + list(base.diffusion_model.named_buffers()):
         assert t is host_tensors[k] or torch.equal(t, host_tensors[k]), k
         assert not sim.is_device(t), k
+    mm.unload_all_models()
+
+
+def test_a_free_device_budget_follows_what_another_program_takes(simn, pack, max_vram, monkeypatch):
+    """``cuda:1=free``: each call reads that device's free memory again (plus what the engine
+    holds there, less the reserve). Another program takes memory on cuda:1 between calls, below
+    the plan's peak there: the next call is placed again, once, within what is left; the output
+    stays the unpatched model's and the plan says why."""
+    import comfy.model_management as mm
+
+    sim = simn
+    with sim.host_memory():
+        patcher = FAMILIES["sd3_mmdit"].load()
+        base = patcher.model
+        host_inputs = FAMILIES["sd3_mmdit"].inputs()
+        with torch.no_grad():
+            ref = base.apply_model(host_inputs[0], host_inputs[1], **host_inputs[2])
+    patcher.load_device = torch.device("cuda", 0)
+    inputs = FAMILIES["sd3_mmdit"].inputs()
+    devs = dict(device_budgets(pack, max_vram, patcher, sim, inputs))
+    last = f"cuda:{sim.n_devices - 1}"
+
+    other = {last: 0}   # what another program holds on a device
+    total = sim.total_memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (
+        total - sim.alloc_of(device).reserved - other.get(str(torch.device("cuda", sim.device_index(device, "x"))), 0),
+        total))
+
+    def leave(budget):   # another program leaves ``budget`` free on the last device (beside the engine)
+        reading = int(mm.get_free_memory(torch.device(last)))
+        other[last] += reading - budget
+
+    text = ", ".join(f"{d}={b / GIB:.9f}" for d, b in devs.items() if d != last) + f", {last}=free"
+    (devices,), _ = run_node(pack, "VRAMCutDevices", devices=text, reserve_gb=0.0)
+    (clone, _, _), _ = max_vram(1.0, model=patcher, devices=devices)
+    state = pack.nodes.state.state_of(clone)
+    leave(int(devs[last] * 1.6))
+    mm.load_models_gpu([clone])
+    (engine,) = state.engines()
+    outs, given, peaks = [], [], []
+    set_devices = engine.set_devices
+
+    def recording(budgets):
+        given.append(dict(budgets)[last])
+        return set_devices(budgets)
+
+    monkeypatch.setattr(engine, "set_devices", recording)
+
+    def steps():
+        for k in range(CALLS):
+            if k == 2:
+                leave(int(devs[last] * 1.05) - engine.held_bytes_by_device.get(last, 0))
+            a = sim.allocs[sim.device_index(torch.device(last), "x")]
+            a.reset_peak()
+            base_reserved = a.reserved
+            outs.append(call(base, clone, inputs))
+            peaks.append((a.max_reserved, base_reserved, engine.placement))
+        return outs
+
+    with torch.no_grad():
+        sampling(clone, steps)
+    assert all(torch.equal(o, ref) for o in outs)
+    assert len(given) == CALLS and given[2] < given[1], given
+    for k, (peak, _, _) in enumerate(peaks):   # all the engine holds there, against what was left
+        assert 0 < peak <= given[k], f"call {k + 1}: {last} reserved peak {peak} B over its budget {given[k]} B"
+    first, moved = peaks[1][2], peaks[2][2]
+    assert moved is not first and peaks[3][2] is moved, "placed again once, then kept"
+    part = next(d for d in moved.used if d.device == last) if any(d.device == last for d in moved.used) else None
+    assert part is None or part.plan.peak_bytes <= given[2]
+    assert "the budget fell" in engine.describe()["plan"]["refit"]["reason"]
+    state.release()
     mm.unload_all_models()

@@ -53,7 +53,7 @@ class Stack(torch.nn.Module):
         return self.out(h)
 
 
-def _setup(sim, pack):
+def _setup(sim, pack, clones=1):
     import comfy.model_patcher
 
     with sim.host_memory():
@@ -71,8 +71,8 @@ def _setup(sim, pack):
                                                offload_device=torch.device("cpu"))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     settings = st.Settings(max_vram_gb=weights * 0.6 / GIB)  # about half the weights streamed
-    clone = pack.nodes.patching.patch_model(patcher, settings, st.NodeReport(None, settings))
-    return model, base, clone, (x, t), ref
+    made = [pack.nodes.patching.patch_model(patcher, settings, st.NodeReport(None, settings)) for _ in range(clones)]
+    return model, base, (made[0] if clones == 1 else made), (x, t), ref
 
 
 def _run(base, clone, inputs, steps=STEPS):
@@ -155,3 +155,31 @@ def test_a_detach_leaves_nothing_page_locked_and_the_next_run_is_exact(sim, host
         assert not _pinned_by_host(mm, sim, ptrs) and mm.TOTAL_PINNED_MEMORY == 0
     warned = [r.getMessage() for r in caplog.records if "unpin" in r.getMessage().lower()]
     assert not warned, warned[:3]
+
+
+def test_another_clone_unpinning_the_shared_weights_waits_for_the_copies_reading_them(sim, host_pins, pack):
+    """Clones of one model share the host's pinned weights (``ModelPatcher.pinned``), and a clone
+    that goes (its ``__del__``) unpins them all. A second patch of the same model going while the
+    first streams: every engine's copies land before the host unregisters the memory they read
+    (without that wait the simulator sees host memory unregistered under a copy)."""
+    mm = host_pins
+    model, base, (clone, other), inputs, ref = _setup(sim, pack, clones=2)
+    kept = [p.untyped_storage() for p in model.parameters()]  # noqa: F841
+    engine = pack.nodes.state.state_of(clone)._engines[model]
+    gone = []
+
+    def hook(_mod, _args, _out):
+        if not gone and engine.executor.running and clone.pinned:
+            other.unpin_all_weights()   # what the other clone's __del__ does first
+            gone.append(True)
+
+    h = model.blocks[1].register_forward_hook(hook)
+    try:
+        outs = _run(base, clone, inputs)
+    finally:
+        h.remove()
+    assert gone and all(torch.equal(o, ref) for o in outs)
+    assert not sim.hazards, sim.hazards[:3]
+    clone.detach(unpatch_all=True)
+    mm.unload_all_models()
+    gc.collect()

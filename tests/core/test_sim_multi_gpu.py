@@ -455,3 +455,46 @@ def test_a_unit_on_another_gpu_computes_with_its_device_current(sim2):
         finally:
             boom.remove()
         assert sim2.current_device == 0
+
+
+def test_device_budgets_that_move_are_placed_again_once_within_them(sim2):
+    """A ``free`` device budget read again before each call (``Engine.set_devices``): a wobble
+    keeps the placement; another program taking memory on cuda:1 below the plan's peak there
+    places again from the measurements (no forward measures again), within the smaller budget,
+    output unchanged, the plan saying why; memory given back well past the margin places again
+    with fewer bytes from host memory."""
+    model, args, ref = setup(sim2, "video")
+    with torch.no_grad():
+        devs = budgets(model, args, 2)
+        eng = engine(devs, model)
+        with eng.session():
+            for _ in range(2):
+                assert torch.equal(eng.run(model, *args), ref)
+            first = eng.placement
+            measured = eng.stats.forwards - eng.steady_stats.forwards
+
+            wobble = [(d, b - (b // 100)) for d, b in devs]
+            eng.set_devices(wobble)
+            assert torch.equal(eng.run(model, *args), ref)
+            assert eng.placement is first, "a wobble of 1 % keeps the placement"
+
+            (d0, b0), (d1, _) = devs
+            part1 = next(d for d in first.used if d.device == d1)
+            taken = [(d0, b0), (d1, part1.plan.peak_bytes - (part1.plan.peak_bytes // 5))]
+            eng.set_devices(taken)
+            bases = fresh(sim2)
+            for _ in range(2):
+                assert torch.equal(eng.run(model, *args), ref)
+            peaks_within(sim2, taken, bases)
+            again = eng.placement
+            assert again is not first and dict((d.device, d.plan.peak_bytes) for d in again.used).get(d1, 0) \
+                <= taken[1][1]
+            assert eng.stats.forwards - eng.steady_stats.forwards == measured, "placed again without measuring"
+            assert "cuda:1: the budget fell" in eng.describe()["plan"]["refit"]["reason"]
+
+            roomy = [(d, b * 3) for d, b in devs]
+            eng.set_devices(roomy)
+            assert torch.equal(eng.run(model, *args), ref)
+            assert eng.placement.host_bytes_per_forward < again.host_bytes_per_forward
+    with pytest.raises(ValueError, match="same devices"):
+        eng.set_devices([("cuda:1", 1 << 30), ("cuda:0", 1 << 30)])
