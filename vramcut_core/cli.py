@@ -106,7 +106,7 @@ def _place(a, header: dict, devices, opts: PlanOptions) -> int:
     for h in p.hops:
         size = fmt_bytes(h.bytes) if p.hop_bytes_known else "not measured (weights only)"
         out.append(f"  hop {h.src} -> {h.dst} before {h.unit}: {size}")
-    out.append(f"host-link bytes per forward: {fmt_bytes(p.host_bytes_per_forward)} · hops per forward: {len(p.hops)}")
+    out.append(f"host-link bytes per call: {fmt_bytes(p.host_bytes_per_forward)} · hops per call: {len(p.hops)}")
     print("\n".join(out))
     return 0
 

@@ -134,7 +134,7 @@ def test_cli_places_a_header_across_devices(tmp_path, capsys):
     rc = main(["plan", str(path), "--devices", "cuda:0=8,cuda:1=8"])
     text = capsys.readouterr().out
     assert rc == 0 and "cuda:0" in text and "cuda:1" in text and "hop cuda:0 -> cuda:1" in text
-    assert "hops per forward: 1" in text
+    assert "hops per call: 1" in text
 
 
 @pytest.mark.parametrize("args, words", [
