@@ -61,10 +61,11 @@ class _PageLockLedger:
         self.staging = 0
         self._in_flight: list[tuple[object, int]] = []   # (event of the copy reading it, bytes)
 
-    def staging_room(self, n: int) -> bool:
-        """Whether staging ``n`` more bytes now stays within the cap and the host's room."""
+    def staging_room(self, n: int, pending: int = 0) -> bool:
+        """Whether staging ``n`` more bytes now stays within the cap and the host's room, beside
+        ``pending`` bytes staged for the transfer being issued (not yet in flight here)."""
         self._in_flight = [(ev, b) for ev, b in self._in_flight if not ev.query()]
-        grow = sum(b for _, b in self._in_flight) + host_alloc_size(n) - self.staging
+        grow = sum(b for _, b in self._in_flight) + pending + host_alloc_size(n) - self.staging
         return grow <= 0 or self.allows(grow)
 
     def staged(self, done, n: int) -> None:
@@ -141,11 +142,11 @@ def host_alloc_size(n: int) -> int:
     return 1 << max(0, n - 1).bit_length() if n else 0
 
 
-def staged(buf: torch.Tensor, place: torch.device) -> tuple[torch.Tensor, bool]:
+def staged(buf: torch.Tensor, place: torch.device, pending: int = 0) -> tuple[torch.Tensor, bool]:
     """A page-locked copy of a pageable master from torch's host allocator (reused after the copy
     that reads it has finished), so the device copy stays asynchronous; the master itself where
     that fails or the page-locked room is spent (then copied synchronously, on purpose)."""
-    if not PAGE_LOCKED.staging_room(buf.numel() * buf.element_size()):
+    if not PAGE_LOCKED.staging_room(buf.numel() * buf.element_size(), pending):
         return buf, False
     try:
         return buf.pin_memory(), True

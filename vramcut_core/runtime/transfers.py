@@ -204,7 +204,8 @@ class Transfers:
             self._through_bounce(name, buf, base, bounce, compute)
         elif whole:
             # a pageable master would make the copy wait for the compute stream on the host
-            src_buf, async_ok = (master.buf, True) if master.page_locked else staged(master.buf, place)
+            src_buf, async_ok = (master.buf, True) if master.page_locked else staged(master.buf, place,
+                                                                                          self._staged_bytes)
             if src_buf is not master.buf:
                 self._staged_bytes += host_alloc_size(src_buf.numel())
             buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
@@ -271,7 +272,7 @@ class Transfers:
             return src, True
         if not self.masters.pin:
             return src, False
-        out, async_ok = staged(src, self.memory.place)
+        out, async_ok = staged(src, self.memory.place, self._staged_bytes)
         if out is not src:
             self._staged_bytes += host_alloc_size(src.numel() * src.element_size())
         return out, async_ok
