@@ -77,11 +77,37 @@ PUBLISHED = [
         "not stated and sglang's default was not confirmed here: the time is used at 1328×1328 "
         "unscaled (if the run was smaller, the true time per call at 1328×1328 is longer, and "
         "streaming hides better than predicted here)"),
+    Published(
+        "Flux.1-dev", 6.936 / 28,
+        dict(x=((1, 16, 128, 128), "bf16"), timestep=((1,), "fp32"), context=((1, 512, 4096), "bf16"),
+             y=((1, 768), "bf16"), guidance=((1,), "fp32")),
+        "1024×1024, T5 context 512 tokens",
+        "Hugging Face blog, \"Productionizing diffusion\" part 1 "
+        "(https://github.com/huggingface/blog/blob/main/productionizing-diffusion-1.md)",
+        "diffusers' FluxPipeline in bf16 on the GPU (no offloading, no compile), after two warm-up runs, "
+        "1024×1024, 28 steps, guidance 4.0 (Flux.1-dev is guidance-distilled: one call per step): "
+        "\"This takes `15.815` seconds on an A100 80GB and `6.936` seconds on an H100\", end to end. "
+        "On the A100 the same post times the parts: text encoders 0.060 s, denoiser 15.708 s, VAE 0.164 s. "
+        "So 6.936 s / 28 calls = 0.248 s per call on the H100, an upper bound (text encoders and VAE "
+        "included, about 1.4 % of the whole on the A100). diffusers pads the T5 prompt to 512 tokens, "
+        "ComfyUI to 256: scaled by the dry run's FLOPs at the two shapes"),
+    Published(
+        "HunyuanVideo 1.5 720p", 334.7 / (30 * 2),
+        dict(x=((1, 65, 9, 45, 80), "bf16"), timestep=((1,), "fp32"), context=((1, 256, 3584), "bf16")),
+        "1280×720, 33 frames",
+        "vllm-omni PR #1516 (https://github.com/vllm-project/vllm-omni/pull/1516), its HunyuanVideo-1.5 "
+        "performance benchmark report",
+        "the diffusers baseline (diffusers 0.37.0, SDPA attention) of text to video at 720×1280, 33 frames, "
+        "30 steps, BF16, guidance_scale 6.0, VAE tiling on: 334.7 s end to end on one GPU. The report "
+        "names the GPU \"1× NVIDIA A100 80GB (140 GiB total)\", the PR's description an H200 with 144 GB: "
+        "which of the two ran it is not settled here. Guidance 6.0 on the model that is not CFG-distilled: "
+        "a conditional and an unconditional pass per step (batched or not, the same compute per sample), "
+        "so 334.7 s / 60 calls = 5.578 s per call, an upper bound (text encoding and the tiled VAE decode "
+        "included). The prompt's length is not stated: 256 tokens taken, as in the full-size row. Scaled "
+        "from 33 to 121 frames by the dry run's FLOPs at the two shapes: an extrapolation (32400 tokens "
+        "against 111600; attention grows with the square of the tokens, which the FLOP count follows)"),
 ]
-NOT_FOUND = {
-    "Flux.1-dev": "no published step time found with its GPU and resolution stated",
-    "HunyuanVideo 1.5 720p": "no published step time found",
-}
+NOT_FOUND: dict[str, str] = {}   # models without a published time (none now): the reason, on the page
 
 
 # -- the tables (pure: plan units in, rows out) ------------------------------------------------
