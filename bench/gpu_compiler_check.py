@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,14 +30,8 @@ STEPS = 4
 
 def check(timeout: int = 300) -> dict:
     """The check, run in a child process; its JSON, or why it did not run."""
-    try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], capture_output=True,
-                           text=True, timeout=timeout)
-        return json.loads(p.stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"no answer in {timeout} s"}
-    except (IndexError, json.JSONDecodeError):
-        return {"ok": False, "error": f"the child failed: {p.stderr.strip()[-800:]}"}
+    import child
+    return child.run(__file__, timeout)
 
 
 def _host():

@@ -27,7 +27,6 @@ import gc
 import json
 import logging
 import os
-import subprocess
 import sys
 import types
 
@@ -43,14 +42,8 @@ GIB = 1 << 30
 
 def check(timeout: int = 300) -> dict:
     """The check, run in a child process; its JSON, or why it did not run."""
-    try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], capture_output=True,
-                           text=True, timeout=timeout)
-        return json.loads(p.stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"no answer in {timeout} s"}
-    except (IndexError, json.JSONDecodeError):
-        return {"ok": False, "error": f"the child failed: {p.stderr.strip()[-800:]}"}
+    import child
+    return child.run(__file__, timeout)
 
 
 def _host():

@@ -88,7 +88,7 @@ def _mixes_devices(e: Exception) -> bool:
 def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .trace import _active, _Call, _fake_weight, _keep_fakes_in_place, _ModuleState
+    from .trace import _active, _Call, _fake_weights, _keep_fakes_in_place, _ModuleState, _restore_weights
 
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     state = _ModuleState(module)
@@ -103,12 +103,7 @@ def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:
                     f = f.to(where)
             return f
         fa, fk = tree_map_only(torch.Tensor, fake_input, (args, kwargs))
-        for u, dev in placed:
-            for ut in u.tensors:
-                fake = _fake_weight(mode, ut.tensor, dev)
-                for r in ut.refs:
-                    swapped.append((r, r.get()))
-                    r.set(fake)
+        _fake_weights(mode, placed, swapped)
         _keep_fakes_in_place(module)
         hops.install()
         _active.depth = getattr(_active, "depth", 0) + 1
@@ -120,8 +115,7 @@ def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:
         return hops.summary()
     finally:
         hops.remove()
-        for r, orig in reversed(swapped):
-            r.set(orig)
+        _restore_weights(swapped)
         state.restore()
 
 

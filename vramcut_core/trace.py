@@ -88,12 +88,7 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
     hooks: list = []
     try:
         fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-        for u in units:
-            for ut in u.tensors:
-                fake = _fake_weight(mode, ut.tensor, dev)
-                for r in ut.refs:
-                    swapped.append((r, r.get()))
-                    r.set(fake)
+        _fake_weights(mode, ((u, dev) for u in units), swapped)
         _keep_fakes_in_place(module)
         flops = _flop_counter()
         tracker = _UnitTracker(dev, flops)
@@ -123,8 +118,7 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
     finally:
         for h in hooks:
             h.remove()
-        for r, orig in reversed(swapped):
-            r.set(orig)
+        _restore_weights(swapped)
         state.restore()
 
 
@@ -158,6 +152,23 @@ def _compute_device(device, args, kwargs, units) -> torch.device:
         for ut in u.tensors:
             return ut.tensor.device
     return torch.device("cpu")
+
+
+def _fake_weights(mode, placed, swapped: list) -> None:
+    """Point every tensor of each ``(unit, device)`` of ``placed`` at a fake of it on that device,
+    recording ``(ref, original)`` in ``swapped`` as it goes (so ``_restore_weights`` puts back what
+    was swapped, also after a failure part-way)."""
+    for u, dev in placed:
+        for ut in u.tensors:
+            fake = _fake_weight(mode, ut.tensor, dev)
+            for r in ut.refs:
+                swapped.append((r, r.get()))
+                r.set(fake)
+
+
+def _restore_weights(swapped: list) -> None:
+    for r, orig in reversed(swapped):
+        r.set(orig)
 
 
 def _fake_weight(mode, t: torch.Tensor, dev: torch.device) -> torch.Tensor:

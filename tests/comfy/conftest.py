@@ -46,8 +46,8 @@ def max_vram(pack):
     return apply
 
 
-# The simulated accelerator, and the host page-locking its offloaded weights itself (0.33+): shared
-# by the pinned-teardown test and the GPU check's detach test.
+# by the pinned-teardown and compiler tests and the GPU check's detach test.
+# by the pinned-teardown, compiler and multi-GPU-free tests and the GPU check's detach test.
 
 @pytest.fixture
 def sim(monkeypatch, pack):

@@ -11,24 +11,14 @@ the switch-off out and shows the stand-in sees the forward inside the recording.
 from __future__ import annotations
 
 import contextlib
-import gc
 
 import pytest
 import torch
 
 from compiler_host import CompilerStandIn, Qwen21Shaped, sample_through_wrappers
-from sim_cuda import simulated_cuda
 
 GIB = 1 << 30
 STEPS = 3
-
-
-@pytest.fixture
-def sim(monkeypatch, pack):
-    with simulated_cuda(monkeypatch, runtimes=(pack.vramcut_core.runtime,)) as s:
-        yield s
-        gc.collect()
-    assert not s.hazards, "hazards:\n" + "\n".join(s.hazards[:10])
 
 
 @pytest.fixture

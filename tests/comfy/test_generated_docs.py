@@ -34,23 +34,31 @@ def test_flux_dev_header_is_the_hosts_flux_at_the_released_configuration(full_si
     assert {k: shape for k, (_, shape) in header.items()} == built
 
 
-def test_full_size_page_is_what_the_script_writes_now(comfy):
-    """In a process of its own: the script picks the attention GPU users run before the host is
-    imported, which this process has already done."""
+def page_and_script(doc: str, marker: str, script: str) -> tuple[list[str], list[str]]:
+    """docs/``doc``'s lines and what bench/``script --only Flux.1-dev`` writes now (its stamp left
+    out), run in a process of its own on this host; skipped where the page names another host
+    (``marker`` with ``{host}``)."""
     import subprocess
 
     import docgen
     import tiny_models as tm
-    with open(os.path.join(ROOT, "docs", "full_size.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", doc), encoding="utf-8") as f:
         page = f.read().splitlines()
     host = os.path.basename(os.path.dirname(tm.comfyui_path()))
-    if not any(f"Dry runs on ComfyUI {host}," in line for line in page):
-        pytest.skip(f"docs/full_size.md was generated on another host than {host}")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "full_size.py"), "--only", "Flux.1-dev"],
+    if not any(marker.format(host=host) in line for line in page):
+        pytest.skip(f"docs/{doc} was generated on another host than {host}")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--only", "Flux.1-dev"],
                          cwd=ROOT, env=dict(os.environ, COMFYUI_PATH=tm.comfyui_path()), capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
-    now = docgen.without_stamp(out.stdout).splitlines()
+    return page, docgen.without_stamp(out.stdout).splitlines()
+
+
+def test_full_size_page_is_what_the_script_writes_now(comfy):
+    """In a process of its own: the script picks the attention GPU users run before the host is
+    imported, which this process has already done."""
+    import docgen
+    page, now = page_and_script("full_size.md", "Dry runs on ComfyUI {host},", "full_size.py")
     head = now[:now.index("") if "" in now else 0]
     assert head and page[:len(head)] == head, "the page's header is not the script's"
     rows = [line for line in now if line.startswith(("| Flux", "- **Flux"))]
@@ -62,20 +70,8 @@ def test_predicted_page_is_what_the_script_writes_now(comfy):
     """docs/predicted.md's Flux.1-dev rows (one dry run; the four models with the published
     shapes' dry runs take about a minute on a small CPU) and its header are what
     bench/predict_table.py writes now."""
-    import subprocess
-
     import docgen
-    import tiny_models as tm
-    with open(os.path.join(ROOT, "docs", "predicted.md"), encoding="utf-8") as f:
-        page = f.read().splitlines()
-    host = os.path.basename(os.path.dirname(tm.comfyui_path()))
-    if not any(f"[full_size.md](full_size.md)'s (ComfyUI {host}," in line for line in page):
-        pytest.skip(f"docs/predicted.md was generated on another host than {host}")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "predict_table.py"), "--only", "Flux.1-dev"],
-                         cwd=ROOT, env=dict(os.environ, COMFYUI_PATH=tm.comfyui_path()), capture_output=True,
-                         text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
-    now = docgen.without_stamp(out.stdout).splitlines()
+    page, now = page_and_script("predicted.md", "[full_size.md](full_size.md)'s (ComfyUI {host},", "predict_table.py")
     # the prose and the tables' headers: every line that is not a model's row or note
     prose = [line for line in now if not line.startswith(("| Flux", "- **"))]
     missing = [line for line in prose if line not in page]

@@ -193,11 +193,6 @@ def test_the_budget_follows_free_memory_another_program_takes(sim, caplog):
     reserve, wobble = MIB, 64 * 1024
     others: list[torch.Tensor] = []
 
-    def free_budget(eng) -> int:  # as the host reads it: the allocator's cached blocks are free too
-        free, _ = torch.cuda.mem_get_info()
-        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        return free + cached + eng.held_bytes - reserve
-
     def take(nbytes: int) -> None:  # the other program
         others.append(torch.empty(nbytes, dtype=torch.uint8))  # outside host_memory(): device memory
 
@@ -206,21 +201,14 @@ def test_the_budget_follows_free_memory_another_program_takes(sim, caplog):
     with torch.no_grad(), eng.session(), caplog.at_level(logging.WARNING, logger="vramcut"):
         for i in range(7):
             if i == 2:
-                take(free_budget(eng) - (2 * weights) // 3 - wobble)  # leaves two thirds of the weights' room
+                take(free_budget(eng, reserve) - (2 * weights) // 3 - wobble)  # leaves two thirds of the weights' room
                 take(wobble)
             elif i in (3, 5):    # the program gives a little back (another process: back to the driver)
                 others.pop()
                 sim.alloc.empty_cache()
             elif i in (4, 6):    # and takes it again: the budget wobbles above the one planned for
                 take(wobble)
-            b = free_budget(eng)
-            eng.set_budget(b)
-            sim.alloc.reset_peak()
-            base = sim.alloc.reserved - eng.held_bytes
-            assert torch.equal(eng.run(model, x), ref)
-            budgets.append(b)
-            peaks.append(sim.alloc.max_reserved - base)
-            plans.append(eng.last_plan)
+            step_at_free_budget(sim, eng, model, x, ref, reserve, budgets, peaks, plans)
     assert all(p <= b for p, b in zip(peaks, budgets)), list(zip(peaks, budgets))
     assert not plans[0].streamed_order, "all resident while the device is free"
     assert plans[1] is plans[0]
@@ -239,6 +227,27 @@ def free_budget_of_empty(sim, reserve: int) -> int:
     return free - reserve
 
 
+def free_budget(eng, reserve: int) -> int:
+    """'Free VRAM minus reserve' as the host reads it: the allocator's cached blocks and what the
+    engine holds count as free."""
+    free, _ = torch.cuda.mem_get_info()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return free + cached + eng.held_bytes - reserve
+
+
+def step_at_free_budget(sim, eng, model, x, ref, reserve: int, budgets: list, peaks: list, plans: list) -> None:
+    """One step as a host re-reading free memory runs it: the budget read again, the call (its
+    output the plain model's), and the budget, the step's reserved peak and its plan recorded."""
+    b = free_budget(eng, reserve)
+    eng.set_budget(b)
+    sim.alloc.reset_peak()
+    base = sim.alloc.reserved - eng.held_bytes
+    assert torch.equal(eng.run(model, x), ref)
+    budgets.append(b)
+    peaks.append(sim.alloc.max_reserved - base)
+    plans.append(eng.last_plan)
+
+
 def test_memory_taken_in_small_steps_replans_once(sim, caplog):
     """Another program takes device memory a little at a time, step after step: the first step
     that leaves the plan without room plans again a margin below the new budget
@@ -254,11 +263,6 @@ def test_memory_taken_in_small_steps_replans_once(sim, caplog):
     reserve = MIB
     others: list[torch.Tensor] = []
 
-    def free_budget(eng) -> int:  # as the host reads it (see the test above)
-        free, _ = torch.cuda.mem_get_info()
-        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        return free + cached + eng.held_bytes - reserve
-
     def tight_peak(eng, budget) -> int:  # the peak of a plan made for ``budget`` with no margin
         sig = eng.last_signature
         return eng.planner._measured_plan(eng.measurements[sig], eng.last_plan.source, None, budget).peak_bytes
@@ -268,18 +272,11 @@ def test_memory_taken_in_small_steps_replans_once(sim, caplog):
     with torch.no_grad(), eng.session(), caplog.at_level(logging.WARNING, logger="vramcut"):
         for i in range(5):
             if i == 2:  # the first bite leaves room for two thirds of the weights
-                others.append(torch.empty(free_budget(eng) - (2 * weights) // 3, dtype=torch.uint8))
+                others.append(torch.empty(free_budget(eng, reserve) - (2 * weights) // 3, dtype=torch.uint8))
             elif i > 2:  # then small bites
-                b = free_budget(eng)
+                b = free_budget(eng, reserve)
                 others.append(torch.empty(b - tight_peak(eng, b) + 1, dtype=torch.uint8))
-            b = free_budget(eng)
-            eng.set_budget(b)
-            sim.alloc.reset_peak()
-            base = sim.alloc.reserved - eng.held_bytes
-            assert torch.equal(eng.run(model, x), ref)
-            budgets.append(b)
-            peaks.append(sim.alloc.max_reserved - base)
-            plans.append(eng.last_plan)
+            step_at_free_budget(sim, eng, model, x, ref, reserve, budgets, peaks, plans)
     assert all(p <= b for p, b in zip(peaks, budgets)), list(zip(peaks, budgets))
     assert budgets[2:] == sorted(budgets[2:], reverse=True) and budgets[-1] < budgets[3] < budgets[2]
     assert plans[2] is not plans[1] and plans[2].streamed_order, "the program took the room: planned again"
