@@ -179,7 +179,7 @@ def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls:
         now = tuple(round(t - start, 12) for d in sorted(devices) for t in [copy_free[d], *done[d]])
         if now == state and not fresh:
             return first_s, step_s, tuple(stalls), copied
-        state = now
+        state = None if fresh else now  # (a fresh call is no steady one)
         stalls = []
         moved = streams if fresh else copied  # a call that begins empty copies every group
         for i in range(n):
