@@ -10,9 +10,9 @@ import dataclasses
 
 import torch
 
-from .. import quant
-from ..tensors import align_up, is_plain_tensor, tensor_nbytes
-from ..units import Unit
+from ..model import quant
+from ..model.tensors import align_up, is_plain_tensor, tensor_nbytes
+from ..model.units import Unit
 
 
 @dataclasses.dataclass

@@ -26,15 +26,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .plan import Plan
-from .report import RunStats
-from .runtime.binding import Binding
-from .runtime.device_memory import DeviceCopy, DeviceMemory, Slot
-from .runtime.host_memory import PAGE_LOCKED, HostMasters
-from .runtime.measuring import Measuring
-from .runtime.transfers import Transfers
-from .runtime.unit_hooks import UnitHooks
-from .units import Unit
+from ..planning.plan import Plan
+from ..planning.report import RunStats
+from .binding import Binding
+from .device_memory import DeviceCopy, DeviceMemory, Slot
+from .host_memory import PAGE_LOCKED, HostMasters
+from .measuring import Measuring
+from .transfers import Transfers
+from .unit_hooks import UnitHooks
+from ..model.units import Unit
 
 _EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
