@@ -1,7 +1,10 @@
 """VRAMCut engine: cut a model's forward at block boundaries and run it under a VRAM budget.
 
 Imports torch only, never ComfyUI. See ``Engine`` for the entry point. The names below are the
-engine's public face, and the only ones the ComfyUI adapter (``nodes/``) may import.
+engine's public face, and the only ones the ComfyUI adapter (``nodes/``) may import. The folders
+are the engine's parts (docs/architecture.md): ``model`` (units, tensor bytes, quantized weights),
+``figures`` (the dry run, meters, bandwidth), ``planning`` (plans under a budget), ``formats``
+(checkpoint headers), ``runtime`` (the executor and its rooms) and ``cli`` (the command line).
 """
 from .figures.bandwidth import host_to_device
 from .engine import Engine, EngineConfig, HostHooks, TraceUnavailable

@@ -6,7 +6,7 @@ between forwards), the plan switch, which unit runs (entered through ``unit_hook
 counts calls, so skipped, replaced and repeated blocks are fine), the prefetch of the next
 streamed segment on entry, the held-plan policy (inside a session, or with ``hold_weights``, an
 all-resident plan keeps its weights swapped in between forwards), release, ``invalidate`` and
-the failure bookkeeping. The resources live in ``vramcut_core.runtime``, one owner each, and
+the failure bookkeeping. The resources live beside it in ``runtime``, one owner each, and
 their module docstrings say what each owns and the rule it keeps: ``host_memory`` (masters,
 page-locking, the bounce buffer of file-backed weights), ``device_memory`` (buffers, slots,
 byte counts), ``transfers`` (copy stream, events, prefetch order, reader ordering), ``binding``

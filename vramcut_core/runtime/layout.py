@@ -23,7 +23,7 @@ class Layout:
     other: list[int]                   # indices of tensors moved one by one (subclasses)
     nbytes: int                        # flat buffer size (aligned)
     other_bytes: int
-    # quantized subclasses taken apart (vramcut_core.quant): index -> [(offset, nbytes)] per part
+    # quantized subclasses taken apart (model.quant): index -> [(offset, nbytes)] per part
     quant: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
