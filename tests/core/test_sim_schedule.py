@@ -1,4 +1,4 @@
-"""One schedule (``vramcut_core.schedule``), run by the executor on the simulated accelerator
+"""One schedule (``vramcut_core.planning.schedule``), run by the executor on the simulated accelerator
 with durations and timed by the timeline (``timeline.predict``): the two agree, call for call.
 
 A copy into a slot waits only for the slot's free event (the group that last held it done
@@ -15,9 +15,9 @@ import torch
 
 import timed_plans as tp
 from test_sim_cuda import sim  # noqa: F401  (the fixture)
-from vramcut_core import timeline
+from vramcut_core.planning import timeline
 from vramcut_core.runtime import transfers
-from vramcut_core.schedule import schedule_of
+from vramcut_core.planning.schedule import schedule_of
 
 B, HEAVY = 256, 12   # a block's hidden width; the passes of a heavy (long-computing) block
 

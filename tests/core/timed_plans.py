@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from sim_cuda import flop_seconds
 from toys import seeded
 from vramcut_core import SegmentedExecutor, find_units
-from vramcut_core.plan import PlanOptions, PlanUnit, plan_from_residency  # noqa: F401  (the tests use them)
+from vramcut_core.planning.plan import PlanOptions, PlanUnit, plan_from_residency  # noqa: F401  (the tests use them)
 from vramcut_core.runtime.layout import layout_of
 
 D, N = 32, 16      # width, tokens
