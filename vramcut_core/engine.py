@@ -76,6 +76,7 @@ class EngineConfig:
     speed: str = "auto"
     bandwidth_bytes_per_s: float | None = None  # host-to-device; None: the figure measured before, if any
     flops_per_s: float | None = None            # compute throughput; None: measured once (``bandwidth``)
+    copy_latency_s: float | None = None         # fixed seconds per copy; None: the bandwidth probe's fit (or 0)
     # per-device budgets in bytes, in the user's order (``placement.parse_devices``); empty: one
     # device, ``device``, under ``budget_bytes``. Non-empty: ``device`` is the home device (inputs
     # arrive and the output returns there) and one of them; ``budget_bytes`` is their sum
@@ -86,9 +87,10 @@ class EngineConfig:
             raise ValueError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
         if self.speed not in SPEEDS:
             raise ValueError(f"speed must be one of {', '.join(SPEEDS)}, got {self.speed!r}")
-        for f in ("bandwidth_bytes_per_s", "flops_per_s"):
+        for f in ("bandwidth_bytes_per_s", "flops_per_s", "copy_latency_s"):
             v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not (v >= 0 if f == "copy_latency_s" else v > 0)):
                 raise ValueError(f"{f} must be a positive number or None, got {v!r}")
         if self.devices:
             _check_devices(self)
@@ -157,6 +159,7 @@ class Engine:
         self.on_plan = on_plan
         host = host or HostHooks()
         self.planner = UnitPlanner(module, config, lambda name: self.executor.unit_device_bytes(name))
+        self.planner.figures.room = lambda: self.probe_room_bytes  # probes run inside the budget
 
         def make(device):
             return SegmentedExecutor(self.planner.unit, device, pin_memory=config.pin_memory,
@@ -466,6 +469,13 @@ class Engine:
     def held_bytes(self) -> int:
         """Device bytes the engine holds now (weights kept between forwards), all devices."""
         return sum(ex.device_bytes for ex in self.executors)
+
+    @property
+    def probe_room_bytes(self) -> int:
+        """Device bytes a probe (``bandwidth``: the copy, the matrix product) may take now on the
+        home device: its budget less what the engine holds there."""
+        budget = dict(self.config.devices).get(self.config.device, self.config.budget_bytes)
+        return max(0, budget - self.executor.device_bytes)
 
     @property
     def held_bytes_by_device(self) -> dict[str, int]:

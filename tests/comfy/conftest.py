@@ -75,5 +75,5 @@ def host_pins(comfy, pack, monkeypatch):
     monkeypatch.setattr(ledger, "bytes", 0)
     monkeypatch.setattr(ledger, "cap", -1)
     monkeypatch.setattr(pack.vramcut_core.figures.bandwidth, "host_to_device",
-                        lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
+                        lambda device, max_bytes=None: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
     return mm

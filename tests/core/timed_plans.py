@@ -93,7 +93,7 @@ def run_calls(sim, case: Case, plan, calls: int = 4, session: bool = True, bps: 
               latency_s: float = 0.0) -> list[float]:
     """Simulated seconds of each of ``calls`` forwards of ``plan`` (from one forward's end on the
     compute stream to the next one's), outputs checked bit-equal."""
-    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS))
+    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS), copy_latency_s=latency_s)
     ex = SegmentedExecutor(case.lookup, "cuda", module=case.model)
     out = []
     t = sim.compute.t
