@@ -671,7 +671,7 @@ def test_weights_that_cannot_be_taken_apart_on_the_cuda_branch(sim):
         for blk in model.blocks:
             lin = blk.fc1 if hasattr(blk, "fc1") else next(m for m in blk.modules() if isinstance(m, nn.Linear))
             lin._parameters["weight"] = Wrapped(lin.weight.detach().clone())
-        from vramcut_core import quant
+        from vramcut_core.model import quant
         assert quant.parts(lin._parameters["weight"]) is None
         x = ids()
         ref = model(x)
@@ -785,8 +785,8 @@ def test_sim_catches_a_segment_copy_whose_later_units_are_not_ordered(sim, monke
     at its second unit reads it before its copy is ordered."""
     orig = transfers.Transfers.load
 
-    def first_only(self, names, buf, sync):
-        out = orig(self, names, buf, sync)
+    def first_only(self, names, buf, sync, free=None):
+        out = orig(self, names, buf, sync, free)
         for n in list(out)[1:]:
             out[n].ready = None
         return out
