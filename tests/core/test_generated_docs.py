@@ -4,9 +4,13 @@ script (bench/plan_table.py, bench/bench_switch.py) writes now, stamped (bench/d
 import os
 import re
 import sys
-import tomllib
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the test extra)
+    import tomli as tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
