@@ -246,9 +246,9 @@ run was at another shape. So each row asks: a GPU that computes as fast as the p
 with this budget and this link. Each budget is planned "as many as fit" (`plan.make_plan`: the most
 bytes resident) and "by time" (`residency.by_time`: the residency with the shortest predicted
 call), and each plan's steady call is predicted with prefetch (`timeline.predict`: a streamed
-segment waits for the part of its copy that the compute before it did not hide). The links are
-taken at {links} of host-to-device copy (assumed rates of pinned copies, not measured). Cells:
-predicted seconds per call (× the resident time). "refused (needs X)": the smallest budget that plans.
+segment waits for the part of its copy that the compute before it did not hide). Cells: predicted
+seconds per call (× the resident time). "refused (needs X)": the smallest budget that plans.
+Links: {links} of host-to-device copy (assumed rates of pinned copies, not measured).
 Predictions are the model's: the copy engines' contention with compute, allocator effects and
 kernel-launch gaps are not in it.
 """
@@ -256,7 +256,7 @@ kernel-launch gaps are not in it.
 
 def document(time_part: list[str], notes: list[str], place_part: list[str], host: str) -> str:
     cols = " | ".join(f"{link}: {kind} (predicted)" for link, _ in LINKS for kind in ("as many as fit", "by time"))
-    links = " and ".join(f"{link} {bps / 1e9:g} GB/s" for link, bps in LINKS)
+    links = " and ".join(f"{link} at {bps / 1e9:g} GB/s" for link, bps in LINKS)
     out = [HEADER.format(host=host, links=links),
            f"| model | budget | resident (predicted) | {cols} |", "|---|---|---|" + "---|" * (2 * len(LINKS)),
            *time_part, "", "Resident times per call, and where they come from:", "", *notes, "",
