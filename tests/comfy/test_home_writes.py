@@ -4,6 +4,7 @@ empty folders of their own (no ``VRAMCUT_CACHE_DIR``), ComfyUI loads a tiny mode
 loader, the Max VRAM node patches it, and ComfyUI's KSampler node samples it streamed; then the
 files that appeared in the home, the temporary folder, the pack's folder and ComfyUI's folder are
 listed."""
+import fnmatch
 import os
 import subprocess
 import sys
@@ -39,10 +40,12 @@ print("stage", entry["stage"], "streamed per call", entry["plan"]["streamed_byte
 
 def files_under(root: str, leave_out=()) -> set:
     """Every file below ``root``, relative, leaving out Python's byte-code caches and the
-    top-level folders named (in the repository: what other test runs write, CI's host trees)."""
+    top-level folders matching ``leave_out`` (in the repository: what other test runs write,
+    CI's environments and host trees)."""
     out = set()
     for d, dirs, files in os.walk(root):
-        dirs[:] = [x for x in dirs if x != "__pycache__" and not (d == root and (x in leave_out or x.startswith(".")))]
+        dirs[:] = [x for x in dirs if x != "__pycache__"
+                   and not (d == root and any(fnmatch.fnmatch(x, p) for p in leave_out))]
         out.update(os.path.relpath(os.path.join(d, f), root) for f in files)
     return out
 
@@ -51,7 +54,7 @@ def test_a_streamed_ksampler_run_writes_only_the_bandwidth_cache_outside_the_pac
     home, tmp = tmp_path / "home", tmp_path / "tmp"
     home.mkdir()
     tmp.mkdir()
-    roots = {REPO: ("tests", "bench", "docs"), comfy: ()}  # the pack's own files; ComfyUI's
+    roots = {REPO: ("tests", "bench", "docs", ".*"), comfy: ()}  # the pack's own files; ComfyUI's
     before = {root: files_under(root, skip) for root, skip in roots.items()}
     env = {k: v for k, v in os.environ.items() if k != "VRAMCUT_CACHE_DIR"}
     env.update(HOME=str(home), TMPDIR=str(tmp), COMFYUI_PATH=comfy, PYTHONDONTWRITEBYTECODE="1",
