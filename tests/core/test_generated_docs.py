@@ -54,7 +54,7 @@ def test_readme_demo_figures_are_the_demos():
     assert f"builds a seeded {mib:.0f} MiB transformer" in planner and f"segmented at {share}" in planner
 
 
-@pytest.mark.parametrize("page", ["full_size.md", "planner.md", "measurements.md", "predicted.md"])
+@pytest.mark.parametrize("page", ["coverage.md", "full_size.md", "planner.md", "measurements.md", "predicted.md"])
 def test_generated_pages_carry_the_stamp(page):
     stamps = [line for line in read("docs", page).splitlines() if line.startswith(docgen.STAMP)]
     assert stamps, f"docs/{page} has no stamp"
