@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = ("vramcut_core", "nodes", "web", "bench")
 FILE_LINES, CLASS_LINES = 500, 300
 OVER = {"vramcut_core/engine.py", "vramcut_core/engine.py:Engine", "nodes/state.py", "web/plan/draw.js",
-        "web/plan/view.js", "web/plan/view.js:PlanView", "bench/gpu_check.py"}
+        "web/plan/view.js", "web/plan/view.js:PlanView"}
 
 
 def sources():
