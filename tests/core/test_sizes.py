@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = ("vramcut_core", "nodes", "web", "bench")
 FILE_LINES, CLASS_LINES = 500, 300
 OVER = {"vramcut_core/engine.py", "vramcut_core/engine.py:Engine", "nodes/state.py", "web/plan/draw.js",
-        "web/plan/view.js", "web/plan/view.js:PlanView"}
+        "web/plan/view.js", "web/plan/view.js:PlanView", "vramcut_core/runtime/executor.py:SegmentedExecutor"}
 
 
 def sources():
