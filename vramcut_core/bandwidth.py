@@ -6,6 +6,10 @@ measured here, once per device (pinned host memory to the GPU; on CPU, a plain m
 is what the CPU executor does), and kept in memory and in a small JSON file so the next process
 does not measure again.
 
+``disk_read(path)`` measures the read rate of the disk a weights file is on, cold (its pages
+dropped first) and from the page cache, once per disk, cached the same way: the host tiers plan
+reads from disk by it.
+
 Beside it, ``matmul_throughput(device, dtype)`` measures floating-point operations per second of
 a square matrix product on the device in that dtype (on CPU, the CPU's), once per device and
 dtype: with the dry run's per-unit FLOP counts it gives each unit's compute time before any run.
@@ -192,6 +196,75 @@ def matmul_throughput(device, dtype=torch.float32) -> dict:
                                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             except Exception:  # a dtype the device cannot multiply, no memory: no estimate
                 entry = {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": "unmeasurable"}
+        _memo[key] = entry
+        return dict(entry)
+
+
+def disk_key(path: str) -> str:
+    """A name for the disk ``path`` is on: its block device (``disk:MAJOR:MINOR``)."""
+    st = os.stat(path)
+    return f"disk:{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def measure_disk(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(cold, page cache) bytes per second of ``os.preadv`` reads of ``nbytes`` from the middle of
+    ``path``: cold after ``posix_fadvise(DONTNEED)`` drops the range's pages (pages some process
+    maps stay: a figure from a file in use may be nearer the page cache's), then the same range
+    again from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        n = int(nbytes)
+        if size < n:  # a small file's read is all latency: no figure for the disk
+            raise OSError(f"{path} is smaller than the probe ({size} < {n} bytes)")
+        off = (size - n) // 2 // 4096 * 4096
+        buf = bytearray(min(n, 16 * MIB))
+        mv = memoryview(buf)
+
+        def read() -> float:
+            t0 = time.perf_counter()
+            done = 0
+            while done < n:
+                k = os.preadv(fd, [mv[:min(len(buf), n - done)]], off + done)
+                if k <= 0:
+                    break
+                done += k
+            return max(done, 1) / max(time.perf_counter() - t0, 1e-9)
+
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+        cold = read()
+        cached = max(read(), read())
+        return cold, cached
+    finally:
+        os.close(fd)
+
+
+def disk_read(path: str) -> dict:
+    """``{"cold_bytes_per_s", "cached_bytes_per_s", "device", "source"}`` for reads from the disk
+    ``path`` is on: from memory, the cache file, or measured now on ``path`` (as
+    ``host_to_device``). The rates are None when they could not be measured."""
+    try:
+        key = disk_key(path)
+    except OSError:
+        return {"cold_bytes_per_s": None, "cached_bytes_per_s": None, "device": None, "source": "unmeasurable"}
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
+        cached = _read_cache().get(key)
+        if isinstance(cached, dict) and all(isinstance(cached.get(k), (int, float)) and cached[k] > 0
+                                            for k in ("cold_bytes_per_s", "cached_bytes_per_s")):
+            entry = {"cold_bytes_per_s": float(cached["cold_bytes_per_s"]),
+                     "cached_bytes_per_s": float(cached["cached_bytes_per_s"]), "device": key, "source": "cache"}
+        else:
+            try:
+                cold, warm = measure_disk(path)
+                entry = {"cold_bytes_per_s": cold, "cached_bytes_per_s": warm, "device": key, "source": "measured"}
+                _write_cache(key, {"cold_bytes_per_s": cold, "cached_bytes_per_s": warm, "probe_bytes": PROBE_BYTES,
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            except OSError:
+                entry = {"cold_bytes_per_s": None, "cached_bytes_per_s": None, "device": key, "source": "unmeasurable"}
         _memo[key] = entry
         return dict(entry)
 

@@ -25,6 +25,7 @@ class RunStats:
     # have completed, which may be in a later forward's stats; CPU: wall time), over ``timed`` forwards
     time_s: float = 0.0
     timed: int = 0
+    disk_bytes_read: int = 0   # read from weights files (disk-tier units, under a RAM budget)
 
     @property
     def s_per_forward(self) -> float | None:
@@ -32,7 +33,7 @@ class RunStats:
         return self.time_s / self.timed if self.timed else None
 
     def add(self, other: "RunStats") -> None:
-        for f in ("forwards", "bytes_streamed", "copies", "sync_loads", "timed"):
+        for f in ("forwards", "bytes_streamed", "copies", "sync_loads", "timed", "disk_bytes_read"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for f in ("time_copy_s", "time_compute_s", "time_wait_s", "time_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
