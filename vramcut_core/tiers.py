@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from .plan import BudgetError, Plan, gib_text, need_gib
+from .plan import BudgetError, Plan, budget_gib, gib_text, need_gib
 
 DEVICE, RAM, DISK = "device", "ram", "disk"
 
@@ -117,7 +117,7 @@ def choose(plan: Plan, host: Mapping[str, HostUnit], ram_budget: int, bounce_byt
 
 def ram_budget_error(budget: int, need: int) -> RamBudgetError:
     """The refusal of a RAM budget below ``need`` bytes, with the ``max_ram_gb`` that works."""
-    msg = (f"RAM budget {budget / 1024**3:.3f} GiB is too small: one call needs {need_gib(need)} of host "
+    msg = (f"RAM budget {budget_gib(budget)} is too small: one call needs {need_gib(need)} of host "
            f"memory (the bounce buffer disk reads pass through, and weights that cannot be read from a "
            f"file); the smallest max_ram_gb that works is {gib_text(max(need, 1))}")
     e = RamBudgetError("host memory", need, budget, message=msg)

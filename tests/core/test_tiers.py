@@ -281,3 +281,18 @@ def test_sim_a_ram_budget_below_one_call_is_refused_before_anything_moves(sim, m
         with pytest.raises(RamBudgetError):
             cuda_engine(model, budget, ram_budget_bytes=gib_to_bytes(f"{float(named) - 0.001:.3f}")).run(model, ids())
     assert gib_text(e.value.min_budget_bytes) == named
+
+
+def test_sim_without_page_locking_disk_pieces_are_copied_synchronously(sim, monkeypatch, tmp_path):
+    monkeypatch.setattr(hm, "BOUNCE_PIECE", 4096)
+    with sim.host_memory():
+        model = mapped(lambda: TransformerStack(d=64), tmp_path)
+        ref = reference()
+    budget = sim_budget(sim, lambda: TransformerStack(d=64), ids())
+    _fresh_ledger(monkeypatch)
+    eng = cuda_engine(model, budget, ram_budget_bytes=100_000, pin_memory=False)
+    with torch.no_grad():
+        outs = [eng.run(model, ids()) for _ in range(2)]
+    assert all(torch.equal(o, ref) for o in outs)
+    assert hm._BOUNCE is None and not hm.PAGE_LOCKED.bytes and not sim.pageable_async
+    assert eng.last_stats.disk_bytes_read == eng.last_plan.tiers.disk_bytes_per_call > 0

@@ -31,7 +31,7 @@ from .. import quant
 from ..plan import Plan
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
-from . import disk
+from . import disk, host_memory
 from .host_memory import (BOUNCE_PIECE, PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size,
                           masters_holding, staged)
 from .layout import quant_views, view
@@ -302,7 +302,7 @@ class Transfers:
                 hi = min(lo + piece, nbytes)
                 if bounce is not None and len(pending) == len(bounce.bufs):
                     issue()  # before its piece is taken again
-                src, k = bounce.take() if bounce is not None else (torch.empty(piece, dtype=torch.uint8), -1)
+                src, k = bounce.take() if bounce is not None else (host_memory._host_buffer(piece), -1)
                 pending.append((pool.submit(disk.read_into, src, disk.clip(reads, lo, hi)), src, k, lo, hi))
                 if bounce is None:
                     issue()
