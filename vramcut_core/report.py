@@ -6,6 +6,7 @@ import json
 
 from .plan import Plan, budget_gib, need_gib
 from .tensors import fmt_bytes
+from .tiers import tiers_text, tiers_to_json
 
 
 @dataclasses.dataclass
@@ -82,6 +83,8 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None, steady: RunStats | N
         out["time"] = time_to_json(plan, steady)
     if plan.refit is not None:
         out["refit"] = dataclasses.asdict(plan.refit)
+    if plan.tiers is not None:
+        out["tiers"] = tiers_to_json(plan.tiers, plan)
     return out
 
 
@@ -220,6 +223,8 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     if plan.refit is not None:
         out.append(f"planned again for {budget_gib(plan.refit.budget_bytes)} (was "
                    f"{budget_gib(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
+    if plan.tiers is not None:
+        out.append(tiers_text(plan.tiers))
     if steady is not None and steady.forwards:
         n = steady.forwards
         out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "

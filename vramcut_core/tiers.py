@@ -52,6 +52,7 @@ class Tiers:
     resident_disk_bytes: int                # read once a session (resident units)
     disk_bytes_per_s: float | None = None   # the disk's read rate the choice used (cold reads)
     min_ram_bytes: int = 0                  # the smallest budget that works
+    disk_bytes: int = 0                     # host copies left in their files (resident units' too)
 
     @property
     def host_bytes(self) -> int:
@@ -112,7 +113,8 @@ def choose(plan: Plan, host: Mapping[str, HostUnit], ram_budget: int, bounce_byt
     per_call = sum(host[n].read_bytes * units[n].calls for n in disk if units[n].entered)
     res_disk = sum(host[n].read_bytes for n in order if n in resident and host[n].fileable)
     return Tiers(ram_budget, tuple(tier), in_ram, sum(host[n].ram_bytes for n in in_ram),
-                 bounce_bytes if (disk or res_disk) else 0, per_call, res_disk, disk_bytes_per_s, need)
+                 bounce_bytes if (disk or res_disk) else 0, per_call, res_disk, disk_bytes_per_s, need,
+                 sum(host[n].read_bytes for n in order if n not in in_ram))
 
 
 def ram_budget_error(budget: int, need: int) -> RamBudgetError:
@@ -132,8 +134,14 @@ def tiers_to_json(t: Tiers | None, plan: Plan | None = None) -> dict | None:
     counts = {DEVICE: 0, RAM: 0, DISK: 0}
     for _, k in t.tier:
         counts[k] += 1
+    step = None
+    if plan is not None and plan.time is not None and t.disk_s_per_call is not None:
+        step = plan.time.predicted_s + t.disk_s_per_call  # reads are not hidden (see the module docstring)
     return {
         "ram_budget_bytes": t.ram_budget_bytes,
+        "resident_bytes": plan.resident_bytes if plan is not None else None,
+        "disk_bytes": t.disk_bytes,
+        "predicted_step_s": step,
         "ram_bytes": t.ram_bytes,
         "bounce_bytes": t.bounce_bytes,
         "host_bytes": t.host_bytes,

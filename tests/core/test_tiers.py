@@ -6,6 +6,7 @@ that changes under a running model is an error naming it, never wrong output."""
 from __future__ import annotations
 
 import errno
+import json
 import gc
 import os
 
@@ -296,3 +297,27 @@ def test_sim_without_page_locking_disk_pieces_are_copied_synchronously(sim, monk
     assert all(torch.equal(o, ref) for o in outs)
     assert hm._BOUNCE is None and not hm.PAGE_LOCKED.bytes and not sim.pageable_async
     assert eng.last_stats.disk_bytes_read == eng.last_plan.tiers.disk_bytes_per_call > 0
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def test_plan_cli_prints_the_tiers_under_a_ram_budget(tmp_path, capsys):
+    from test_cli import flux_like_entries, run_cli, write_header_only
+    from vramcut_core.cli import main
+
+    path = tmp_path / "flux_like.safetensors"
+    total = write_header_only(path, flux_like_entries(dtype="F32"))   # 24 GiB
+    assert main(["plan", str(path), "--max-vram", "12", "--max-ram", "8", "--disk-gbps", "3.5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    t = out["tiers"]
+    assert t["ram_budget_bytes"] == 8 << 30 and t["host_bytes"] <= 8 << 30
+    assert t["units"]["ram"] and t["units"]["disk"] and t["bounce_bytes"] == 2 * hm.BOUNCE_PIECE
+    assert t["ram_bytes"] + t["disk_bytes"] == total
+    assert t["disk_s_per_call"] == pytest.approx(t["disk_bytes_per_call"] / 3.5e9)
+    assert main(["plan", str(path), "--max-vram", "12", "--max-ram", "8", "--disk-gbps", "3.5"]) == 0
+    text = capsys.readouterr().out
+    assert "host tiers under 8.000 GiB RAM" in text and "read from disk" in text and "at 3.50 GB/s" in text
+    assert main(["plan", str(path), "--max-vram", "12", "--max-ram", "64"]) == 0
+    assert "0 read from disk" in capsys.readouterr().out
+    rc, err = run_cli(["plan", str(path), "--max-vram", "12", "--max-ram", "0.1"], capsys)
+    assert rc == 2 and "the smallest max_ram_gb that works is 0.125" in err and len(err.strip().splitlines()) == 1
