@@ -17,8 +17,8 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, cost_to_json, gib_text, host_to_device,
-                            signature)
+from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, RamBudgetError, cost_to_json, gib_text,
+                            host_to_device, signature)
 from .compiler import compiler_off
 from .devices import Devices, device_name
 from .errors import VRAMCutError, VRAMCutOOM
@@ -43,9 +43,10 @@ class Settings:
     prefetch: bool = True
     residency: bool = True
     devices: Devices | None = None  # the Devices node's budgets, one per device; None: max_vram_gb's
+    max_ram_gb: float = 0.0         # host RAM for the models' weights (what does not fit is read from disk); 0: no budget
 
     def validate(self) -> "Settings":
-        for name in ("max_vram_gb", "reserve_gb"):
+        for name in ("max_vram_gb", "reserve_gb", "max_ram_gb"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v):
                 raise VRAMCutError(f"{name} must be a number of GiB, got {v!r}")
@@ -182,6 +183,8 @@ class NodeReport:
             entry["time"] = t
         if isinstance(d["plan"].get("refit"), dict):
             entry["refit"] = d["plan"]["refit"]
+        if isinstance(d["plan"].get("tiers"), dict):  # under max_ram_gb: RAM / disk bytes, reads per call
+            entry["tiers"] = d["plan"]["tiers"]
         if kind in self._index:
             self.payload["models"][self._index[kind]] = entry
         else:
@@ -298,7 +301,8 @@ class PatchState:
         eng = self._engines.get(module)
         if eng is None or eng.device != dev:
             cfg = EngineConfig(**self._budget(dev), prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
+                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk,
+                               ram_budget_bytes=int(self.settings.max_ram_gb * GIB) or None)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan),
                          host=host_hooks(dev))
             for w in eng.unitset.warnings:
@@ -433,7 +437,8 @@ class PatchState:
             lead = msg
             if getattr(e, "min_budget_bytes", None):
                 to = "to" if getattr(e, "exact", False) else "to at least"  # "at least": a lower bound only
-                lead = f"Max VRAM: set max_vram_gb {to} {gib_text(e.min_budget_bytes)}. {msg}"
+                what = "max_ram_gb" if isinstance(e, RamBudgetError) else "max_vram_gb"
+                lead = f"Max VRAM: set {what} {to} {gib_text(e.min_budget_bytes)}. {msg}"
             if fallback:
                 raise VRAMCutOOM(lead) from e
             raise VRAMCutError(lead) from e
