@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetError", "Engine", "EngineConfig", "FAMILIES", "Family", "GIB", "HostHooks", "Plan", "PlanOptions",
-    "PlanUnit", "RamBudgetError", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet", "build_plan",
-    "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
+    "PlanUnit", "RamBudgetError", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet",
+    "build_plan", "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
     "make_plan", "parse_devices", "plan_to_json", "plan_to_text", "quant_parts", "signature", "split_unit",
 ]
