@@ -18,9 +18,9 @@ from test_file_backed import _fresh_ledger, mapped, sim_budget
 from test_sim_cuda import cuda_engine, sim  # noqa: F401
 from toys import TransformerStack, seeded
 from vramcut_core import Engine, EngineConfig, gib_text, gib_to_bytes
-from vramcut_core.plan import PlanUnit, build_plan
+from vramcut_core.planning.plan import PlanUnit, build_plan
 from vramcut_core.runtime import disk, host_memory as hm
-from vramcut_core.tiers import DEVICE, DISK, RAM, HostUnit, RamBudgetError, choose, tiers_text
+from vramcut_core.planning.tiers import DEVICE, DISK, RAM, HostUnit, RamBudgetError, choose, tiers_text
 
 
 @pytest.fixture(autouse=True)
@@ -303,7 +303,7 @@ def test_sim_without_page_locking_disk_pieces_are_copied_synchronously(sim, monk
 
 def test_plan_cli_prints_the_tiers_under_a_ram_budget(tmp_path, capsys):
     from test_cli import flux_like_entries, run_cli, write_header_only
-    from vramcut_core.cli import main
+    from vramcut_core.cli.commands import main
 
     path = tmp_path / "flux_like.safetensors"
     total = write_header_only(path, flux_like_entries(dtype="F32"))   # 24 GiB

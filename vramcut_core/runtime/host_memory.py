@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from .. import quant
-from ..tiers import RAM
-from ..units import Unit
+from ..model import quant
+from ..model.units import Unit
+from ..planning.tiers import RAM
 from .layout import Layout, quant_views, view
 
 _HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every GPU, not only the current one

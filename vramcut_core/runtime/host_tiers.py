@@ -17,10 +17,11 @@ from typing import Callable
 
 import torch
 
-from .. import bandwidth, quant
-from ..tiers import DISK, RAM, HostUnit, Tiers
-from ..units import Unit
-from . import disk
+from ..figures import bandwidth
+from ..model import quant
+from ..model.units import Unit
+from ..planning.tiers import RAM, HostUnit, Tiers, bounce_for
+from . import disk, host_memory
 from .layout import Layout, view
 
 
@@ -47,6 +48,13 @@ class HostTiers:
         lay = self._layout(name)
         read = sum(n for _, _, n in lay.flat) + sum(n for sp in lay.quant.values() for _, n in sp)
         return HostUnit(lay.nbytes, read, fileable=not lay.other and lay.nbytes > 0)
+
+    def bounce_bytes(self, host: dict[str, HostUnit]) -> int:
+        """The bounce buffer a read from disk needs with these units (CUDA; 0 on CPU, where reads
+        go straight into the slot)."""
+        if not self._masters.cuda:
+            return 0
+        return bounce_for(host, host_memory.BOUNCE_PIECE, host_memory.BOUNCE_PIECES)
 
     def of(self, name: str) -> str | None:
         return self.tiers.of(name) if self.tiers is not None else None

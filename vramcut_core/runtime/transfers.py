@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from .. import quant
-from ..plan import Plan
+from ..model import quant
+from ..planning.plan import Plan
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
 from . import disk, host_memory

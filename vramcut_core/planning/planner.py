@@ -21,15 +21,15 @@ import dataclasses
 import fnmatch
 from typing import Callable
 
-import torch
 from torch import nn
 
-from . import quant, residency, speed, tiers, timeline
-from .runtime import host_memory
-from .measure import UnitMeasurement
+from ..model import quant
+from . import residency, tiers, timeline
+from ..figures import speed
+from ..figures.meters import UnitMeasurement
 from .plan import BudgetError, Plan, PlanOptions, PlanTime, PlanUnit, budget_error, make_plan, measuring_plan
-from .tensors import is_plain_tensor
-from .units import Unit, UnitSet, find_units, split_unit
+from ..model.tensors import is_plain_tensor
+from ..model.units import Unit, UnitSet, find_units, split_unit
 
 
 class UnitPlanner:
@@ -220,8 +220,7 @@ class UnitPlanner:
         if budget is None or self.host is None:
             return plan
         host = {u.name: self.host.host_unit(u.name) for u in plan.units}
-        cuda = torch.device(self.config.device).type == "cuda"
-        bounce = tiers.bounce_for(host, host_memory.BOUNCE_PIECE, host_memory.BOUNCE_PIECES) if cuda else 0
+        bounce = self.host.bounce_bytes(host)
         return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce,
                                                           self.host.disk_rate(list(host))))
 
