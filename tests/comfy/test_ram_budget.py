@@ -1,9 +1,10 @@
 """The RAM budget through the real host (``max_ram_gb`` on the Max VRAM node): a model loaded by
 a host path runs with the units that do not fit the budget read from disk each call, its output
-the unpatched model's. Two loader paths: weights mapped from their checkpoint (as the host keeps a
+the unpatched model's. Loader paths: weights mapped from their checkpoint (as the host keeps a
 memory-mapped model: they are read from that file), and the plain ``load_torch_file`` then
 ``load_state_dict`` path (weights in anonymous memory: written once to the model's cache file, the
-RAM copy released). The engine side is ``tests/core/test_tiers.py``."""
+RAM copy released). ComfyUI-GGUF's reader (a .gguf mapped by its numpy memmap) is read from the .gguf itself. The
+engine side is ``tests/core/test_tiers.py``."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,18 @@ def _engine(pack, patched):
     return engine
 
 
+def _here_first():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
 def _loaded(path, tmp_path):
+    if path == "gguf":  # ComfyUI-GGUF's reader: its tensors are views of the file's numpy memmap
+        _here_first()
+        try:
+            from test_quantized import load_gguf_unet
+        finally:
+            sys.path.pop(0)
+        return load_gguf_unet(tmp_path, "tiny_sd3_ram.gguf", tm.tiny_sd3_state_dict(depth=2), "Q8_0")
     if path == "mapped":
         model = tm.load_tiny_sd3(depth=2)
         map_from_file(model.model.diffusion_model, str(tmp_path))
@@ -37,7 +49,7 @@ def _loaded(path, tmp_path):
     return tm.load_tiny_sd3(state_dict=comfy.utils.load_torch_file(f))
 
 
-@pytest.mark.parametrize("path", ["mapped", "load_torch_file"])
+@pytest.mark.parametrize("path", ["mapped", "load_torch_file", "gguf"])
 def test_max_ram_reads_what_does_not_fit_from_disk(comfy, pack, max_vram, tmp_path, monkeypatch, path):
     monkeypatch.setenv("VRAMCUT_CACHE_DIR", str(tmp_path / "cache"))
     hm = pack.vramcut_core.runtime.host_memory
@@ -57,6 +69,8 @@ def test_max_ram_reads_what_does_not_fit_from_disk(comfy, pack, max_vram, tmp_pa
     files = engine.executor.masters.tiers.files()
     if path == "mapped":
         assert files == [str(tmp_path / "model.safetensors")], "read from the checkpoint itself"
+    elif path == "gguf":  # the quantized blocks from the .gguf; what the reader converted on load, cached
+        assert str(tmp_path / "unet_gguf" / "tiny_sd3_ram.gguf") in files and len(files) <= 2, files
     else:
         assert len(files) == 1 and files[0].startswith(str(tmp_path / "cache"))
         assert os.path.getsize(files[0]) == engine.executor.masters.tiers.cache_bytes
@@ -72,7 +86,7 @@ def test_max_ram_on_the_simulated_accelerator_reads_through_the_bounce_buffer(si
     pass through the page-locked bounce buffer, its output is the plain forward's."""
     import comfy.model_patcher
     from compiler_host import BaseModelStandIn
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    _here_first()
     try:
         from test_teardown_pinned import Stack, _run  # the host model and sampling run of those tests
     finally:
