@@ -65,7 +65,10 @@ def test_max_ram_reads_what_does_not_fit_from_disk(comfy, pack, max_vram, tmp_pa
     assert torch.equal(out, ref)
     t = plan.tiers
     assert t.disk_units and t.host_bytes <= t.ram_budget_bytes
-    assert engine.last_stats.disk_bytes_read == t.disk_bytes_per_call > 0
+    st = engine.last_stats  # (a call that loaded a group on entry reads it once more: a host's
+    # cond and uncond of another shape switch plans; the exact count is the engine tests')
+    assert st.disk_bytes_read >= t.disk_bytes_per_call > 0
+    assert st.sync_loads or st.disk_bytes_read == t.disk_bytes_per_call
     files = engine.executor.masters.tiers.files()
     if path == "mapped":
         assert files == [str(tmp_path / "model.safetensors")], "read from the checkpoint itself"
