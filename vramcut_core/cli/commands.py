@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..planning.plan import BudgetError, PlanOptions, gib_to_bytes, make_plan
+from ..planning.budget import BudgetError, gib_to_bytes
+from ..planning.plan import PlanOptions, make_plan
 from ..planning.report import dumps, plan_to_json, plan_to_text
 
 
@@ -132,10 +133,10 @@ def _cached_disk_rate(path: str) -> float | None:
     from ..figures import bandwidth
 
     try:
-        hit = bandwidth._read_cache().get(bandwidth.disk_key(path))
+        hit = bandwidth._read_cache().get(bandwidth.disk_key(path) + ":cold")
     except OSError:
         return None
-    rate = hit.get("cold_bytes_per_s") if isinstance(hit, dict) else None
+    rate = hit.get("bytes_per_s") if isinstance(hit, dict) else None
     return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
 
 

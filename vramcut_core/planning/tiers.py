@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from .plan import BudgetError, Plan, budget_gib, gib_text, need_gib
+from .budget import BudgetError, budget_gib, gib_text, need_gib
+from .plan import Plan
 
 DEVICE, RAM, DISK = "device", "ram", "disk"
 
