@@ -12,7 +12,8 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 from ..vramcut_core import BudgetError, TraceUnavailable
-from .state import MODES, NodeReport, Settings, VRAMCutError
+from .report import NodeReport
+from .state import MODES, Settings, VRAMCutError
 from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_model, patch_vae
 from .preview import SHAPE_TYPE, CannotPreview, Shape, preview, traced_at
 from .devices import DEVICES_TYPE, Devices

@@ -21,7 +21,8 @@ from .compiler import compiler_off
 from .devices import CFG_SPLIT_REFUSED, multigpu_clones
 from .gpu import held_bytes
 from .patcher import plain_patcher, to_vramcut_patcher
-from .state import KEY, NodeReport, PatchState, Settings, VRAMCutError
+from .report import NodeReport
+from .state import KEY, PatchState, Settings, VRAMCutError
 
 
 # ----------------------------------------------------------------------------------------------

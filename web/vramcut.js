@@ -22,7 +22,8 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { lastPayload } from "./plan/payload.js";
-import { attachPlan, watchPage } from "./plan/view.js";
+import { attachPlan } from "./plan/view.js";
+import { watchPage } from "./plan/tip.js";
 import { PlanHistory } from "./plan/history.js";
 import { collapsedTitle, drawCollapsedTitle, syncVueHeader } from "./plan/node.js";
 

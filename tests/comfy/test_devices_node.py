@@ -176,7 +176,7 @@ def test_cfg_split_added_after_the_node_is_refused_before_sampling_loads(pack):
     """The CFG Split node placed after the Max VRAM node: the sampling run is refused in its
     outer wrapper, before the host loads anything, and the node says why."""
     st = pack.nodes.state
-    report = st.NodeReport(None, st.Settings(1.0, devices=devices(pack, "cpu=1")))
+    report = pack.nodes.report.NodeReport(None, st.Settings(1.0, devices=devices(pack, "cpu=1")))
     state = st.PatchState("MODEL", report=report, settings=st.Settings(1.0, devices=devices(pack, "cpu=1")))
     wrapper = pack.nodes.patching._OuterSampleWrapper(state)
     model = tm.load_tiny_sd3(depth=2, seed=4)
@@ -237,7 +237,7 @@ def test_free_vram_is_read_again_before_each_call(pack, max_vram, monkeypatch):
 
 
 def test_time_answer_from_the_plans_time(pack):
-    time_answer = pack.nodes.state.time_answer
+    time_answer = pack.nodes.report.time_answer
 
     assert time_answer(None) is None
     assert time_answer({"predicted_s": 1.0}) is None
@@ -279,7 +279,7 @@ def test_the_node_carries_per_device_answer_time_and_replan_from_the_plan(pack, 
     (engine,) = pack.nodes.patcher.state_of(patched).engines()
     describe = engine.describe
     monkeypatch.setattr(engine, "describe", lambda plan=None: dict(d := describe(plan), plan=contract_plan(d["plan"])))
-    report = pack.nodes.state.NodeReport(None, pack.nodes.state.Settings(0.02))
+    report = pack.nodes.report.NodeReport(None, pack.nodes.state.Settings(0.02))
     report.set("MODEL", engine)
     entry = report.payload["models"][0]
     cost = entry["plan"]["cost"]

@@ -313,7 +313,7 @@ def test_each_refused_model_carries_its_own_budget_and_the_node_the_largest(comf
 
 def test_the_node_names_a_calls_inputs_as_a_user_knows_them(pack):
     """The engine's signature (tensor paths) read as the user knows the inputs."""
-    inputs_text = pack.nodes.state.inputs_text
+    inputs_text = pack.nodes.report.inputs_text
     sig = (("arg0", (2, 4, 64, 64), "torch.float32"), ("arg1", (2,), "torch.float32"),
            ("c_crossattn", (2, 77, 768), "torch.float32"),
            ("arg5.sample_sigmas", (21,), "torch.float32"))
