@@ -20,7 +20,7 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import GIB, fmt_bytes, parse_devices
+from ..vramcut_core import GIB, parse_devices
 from .errors import VRAMCutError
 
 DEVICES_TYPE = "VRAMCUT_DEVICES"  # the socket type between the Devices node and the Max VRAM nodes
@@ -33,6 +33,11 @@ def device_name(device) -> str:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return str(dev)
+
+
+def memory_word(device) -> str:
+    """What a device's memory is called in a message: VRAM on a GPU, memory on the CPU."""
+    return "memory" if torch.device(device).type == "cpu" else "VRAM"
 
 
 def main_device() -> str:
@@ -92,8 +97,8 @@ class Devices:
                 free = int(ask(torch.device(name))) + int((held or {}).get(name, 0))
                 b = free - int(self.reserve_gb * GIB)
                 if b <= 0:
-                    raise VRAMCutError(f"devices: {name}=free: free VRAM {fmt_bytes(free)} minus reserve "
-                                       f"{self.reserve_gb:g} GiB leaves no budget")
+                    raise VRAMCutError(f"devices: {name}=free: free {memory_word(name)} {free / GIB:.3f} GiB minus "
+                                       f"reserve {self.reserve_gb:.3f} GiB leaves no budget")
             out.append((name, int(b)))
         return tuple(out)
 

@@ -79,6 +79,12 @@ def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None
     try:
         engine, plan = preview(kind, patched, shape)
     except (CannotPreview, TraceUnavailable) as e:
+        refused = report.deferred.get(kind)
+        if refused is not None:  # no preview to ask: the weights' refusal stands
+            msg = f"{kind}: {refused}"
+            log.warning("VRAMCut: %s", msg)
+            report.fail(msg, refused, kind=kind)
+            return None
         msg = f"{kind}: no plan preview at {at} ({e}); the plan shown is the weights estimate"
         log.warning("VRAMCut: %s", msg)
         return msg
@@ -102,6 +108,7 @@ def _apply(unique_id, kw, pairs, shape: Shape | None = None):
         log.error("VRAMCut: %s", e)
         raise
     report = NodeReport(unique_id, settings)
+    report.previewing = shape is not None
     if not settings.enabled:
         report.notice("VRAMCut is off (max_vram_gb = 0): inputs pass through")
         return [v for _, v, _ in pairs], report.payload

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ..vramcut_core import GIB, Engine, cost_to_json, host_to_device
+from ..vramcut_core import GIB, BudgetError, Engine, cost_to_json, host_to_device
 
 if TYPE_CHECKING:
     from .state import Settings
@@ -76,6 +76,23 @@ class NodeReport:
         if settings.devices is not None:  # the header names each device's budget (only with devices)
             self.payload["devices"] = settings.devices.to_json()
         self._index: dict[str, int] = {}
+        # a shape is connected: each model's refusal comes from its preview at that shape (the
+        # weights alone would refuse with a lower bound, and stop the node before the others)
+        self.previewing = False
+        self.deferred: dict[str, BudgetError] = {}
+
+    def weights(self, kind: str, engine: Engine) -> None:
+        """Show ``kind``'s plan from its weights alone. A budget too small for one block is
+        refused here, unless the node previews the model next: the preview's refusal (the
+        smallest budget at that shape) is the one shown, this one kept for where it cannot run."""
+        try:
+            plan = engine.weight_plan()
+        except BudgetError as e:
+            if not self.previewing:
+                raise
+            self.deferred[kind] = e
+            return
+        self.set(kind, engine, plan)
 
     def set(self, kind: str, engine: Engine, plan=None, traced_at: str | None = None) -> None:
         """Show ``plan`` (the engine's latest by default) as ``kind``'s entry; ``traced_at``: the
@@ -111,6 +128,12 @@ class NodeReport:
         one's, and its figure the largest: each model gets the whole budget in turn, so that one
         number makes every connected model fit."""
         figures = _budget_figures(error)
+        if kind is not None and kind not in self._index and kind in self.deferred:
+            # refused before any plan of it was drawn: an entry that is the refusal alone
+            self._index[kind] = len(self.payload["models"])
+            self.payload["models"].append({"kind": kind, "label": kind, "stage": "weights", "signature": None,
+                                           "inputs": None, "warnings": [], "text": "", "verify": [],
+                                           "plan": {"budget_bytes": self.payload["budget_bytes"]}})
         entry = self.payload["models"][self._index[kind]] if kind in self._index else None
         if entry is None:
             self.payload["message"], self.payload["message_level"] = message, "error"

@@ -18,7 +18,7 @@ import comfy.model_management as mm
 
 from ..vramcut_core import GIB, BudgetError, Engine, EngineConfig, gib_text, signature
 from .compiler import compiler_off
-from .devices import Devices, device_name
+from .devices import Devices, device_name, memory_word
 from .errors import VRAMCutError, VRAMCutOOM
 from .gpu import host_hooks, may_page_lock
 from .lora import DeviceMerge
@@ -69,7 +69,8 @@ class Settings:
             free = int((free_memory or mm.get_free_memory)(device))
             b = free - int(self.reserve_gb * GIB)
             if b <= 0:
-                raise VRAMCutError(f"free VRAM {free / GIB:.3f} GiB minus reserve {self.reserve_gb:.3f} GiB leaves no budget")
+                raise VRAMCutError(f"free {memory_word(device)} {free / GIB:.3f} GiB minus reserve {self.reserve_gb:.3f} GiB "
+                                   "leaves no budget")
             b = min(b, int(self.max_vram_gb * GIB))  # max_vram_gb caps it (0 is off: never here)
         if b <= 0 and self.max_vram_gb > 0:
             raise VRAMCutError(f"max_vram_gb = {self.max_vram_gb:g} is less than one byte: give the budget in "
@@ -255,10 +256,10 @@ class PatchState:
         except BudgetError as e:
             fallback = _host_fallback(self.kind, fn, args)
             if fallback is False and self.kind == "VAE":
-                msg = (f"VRAMCut: {e}. ComfyUI's tiled fallback would run this VAE call at the same size "
+                msg = (f"{self.kind}: {e}. ComfyUI's tiled fallback would run this VAE call at the same size "
                        f"(the input is no larger than one tile), so it cannot help: raise max_vram_gb")
             else:
-                msg = f"VRAMCut: {e}"
+                msg = f"{self.kind}: {e}"  # the banner joins several models' messages: each names its own
             self.report.fail(msg, e, kind=self.kind)
             # the error panel leads with the fix, the number the node shows
             lead = msg
