@@ -16,7 +16,7 @@ from .report import NodeReport
 from .state import MODES, Settings, VRAMCutError
 from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_model, patch_vae
 from .preview import SHAPE_TYPE, CannotPreview, Shape, preview, traced_at
-from .devices import DEVICES_TYPE, Devices
+from .devices import DEVICES_TYPE, Devices, default_text
 
 ShapeIO = io.Custom(SHAPE_TYPE)
 DevicesIO = io.Custom(DEVICES_TYPE)
@@ -245,12 +245,14 @@ class VRAMCutDevices(io.ComfyNode):
             node_id="VRAMCutDevices", display_name="Devices (VRAMCut)", category="VRAMCut",
             description="The GPUs a Max VRAM node may place a model's blocks on, each with its own budget: "
                         "connect it to 'devices'. Runs of blocks go to each GPU in the order given; only "
-                        "the activations crossing a cut move between GPUs.",
+                        "the activations crossing a cut move between GPUs. Its budgets replace the Max VRAM "
+                        "node's max_vram_gb (0 there still turns VRAMCut off) and budget_mode.",
             inputs=[
-                io.String.Input("devices", default="cuda:0=10, cuda:1=6",
-                                tooltip="DEVICE=GIB, comma-separated, e.g. cuda:0=10, cuda:1=6. A budget may be "
-                                        "'free': the device's free VRAM less reserve_gb. ComfyUI's main GPU "
-                                        "must be in the list (inputs and outputs live there)."),
+                io.String.Input("devices", default=default_text(),
+                                tooltip="DEVICE=GIB, comma-separated, e.g. cuda:0=10, cuda:1=6 (by default this "
+                                        "machine's devices). A budget may be 'free': the device's free VRAM less "
+                                        "reserve_gb; a budget alone ('free', '8') is the main device's. ComfyUI's "
+                                        "main GPU must be in the list (inputs and outputs live there)."),
                 io.Float.Input("reserve_gb", default=1.0, min=0.0, max=1024.0, step=0.05, round=0.001,
                                tooltip="GiB left free on each device whose budget is 'free', for other "
                                        "programs and ComfyUI."),
@@ -259,8 +261,15 @@ class VRAMCutDevices(io.ComfyNode):
 
     @classmethod
     def execute(cls, devices, reserve_gb) -> io.NodeOutput:
-        # checked here and again where the Max VRAM node runs: a message on this node first
-        return io.NodeOutput(Devices(devices, reserve_gb).validate())
+        # Checked here, before any model loads, and said on this node (its ui); the Max VRAM node
+        # it feeds checks again and refuses with the same message on its own plan.
+        out = Devices(devices, reserve_gb)
+        try:
+            out.validate()
+        except VRAMCutError as e:
+            log.error("VRAMCut: %s", e)
+            return io.NodeOutput(out, ui={UI_KEY: [{"message": str(e)}]})
+        return io.NodeOutput(out, ui={UI_KEY: [{"message": None, "devices": out.to_json()}]})
 
 
 NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras, VRAMCutPreviewShape, VRAMCutDevices]

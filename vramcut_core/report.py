@@ -184,8 +184,10 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     out += [line(r) for r in rows]
     act = plan.activation_reserve_bytes
     out.append("")
+    window = (f"window {plan.slots}×{fmt_bytes(plan.slot_bytes)}" if plan.slots and plan.slot_bytes
+              else "no streaming window")
     out.append(f"budget {budget_gib(plan.budget_bytes)} · peak {need_gib(plan.peak_bytes)} = resident "
-               f"{fmt_bytes(plan.resident_bytes)} + window {plan.slots}×{fmt_bytes(plan.slot_bytes)} + "
+               f"{fmt_bytes(plan.resident_bytes)} + {window} + "
                f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
     if plan.source is not None:
         out.append(f"activations {plan.source}: " + (
@@ -204,10 +206,12 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     for w in plan.warnings:
         out.append(f"warning: {w}")
     if stats is not None and stats.forwards:
-        out.append(f"measured: {stats.forwards} call(s), streamed {fmt_bytes(stats.bytes_streamed)}, "
-                   f"peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f}s, "
-                   f"wait {stats.time_wait_s:.3f}s, compute {stats.time_compute_s:.3f}s"
-                   + (" (the measuring call included)" if steady is not None else ""))
+        n = stats.forwards
+        out.append(f"measured: {n} call{'' if n == 1 else 's'}, copied {fmt_bytes(stats.bytes_streamed)}, "
+                   f"peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f} s, "
+                   f"wait {stats.time_wait_s:.3f} s, compute {stats.time_compute_s:.3f} s"
+                   + (" (the measuring call included: it copies every block, resident ones too)"
+                      if steady is not None else ""))
     tj = time_to_json(plan, steady)
     if tj is not None:
         ratio = f"{tj['predicted_s'] / tj['resident_s']:.2f}× resident" if tj["resident_s"] > 0 else "resident 0 s"
@@ -222,7 +226,7 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     if steady is not None and steady.forwards:
         n = steady.forwards
         out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "
-                   f"{steady.copies / n:g} cop{'y' if steady.copies == n else 'ies'}, wait {steady.time_wait_s / n:.3f}s")
+                   f"{steady.copies / n:g} cop{'y' if steady.copies == n else 'ies'}, wait {steady.time_wait_s / n:.3f} s")
     return "\n".join(out)
 
 

@@ -22,6 +22,11 @@ def host_with_two_gpus(pack, monkeypatch):
     them reads the count)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    import comfy.model_management as mm
+
+    total = mm.get_total_memory  # the two GPUs' total memory (the Devices node checks the reserve against it)
+    monkeypatch.setattr(mm, "get_total_memory", lambda dev=None, torch_total_too=False: (
+        24 * GIB if torch.device(dev).type == "cuda" else total(dev, torch_total_too)))
 
 
 def devices(pack, text, reserve_gb=1.0):
@@ -46,8 +51,8 @@ def test_bad_devices_are_refused_on_both_nodes_before_anything_moves(pack, max_v
     model connected is left as it was (no engine made, the host's model unchanged)."""
     model = tm.load_tiny_sd3(depth=2, seed=3)
     before = {n: p.detach().clone() for n, p in model.model.diffusion_model.named_parameters()}
-    with pytest.raises(ValueError, match=message):
-        run_node(pack, "VRAMCutDevices", devices=text, reserve_gb=1.0)
+    _, ui = run_node(pack, "VRAMCutDevices", devices=text, reserve_gb=1.0)
+    assert message in ui["vramcut"][0]["message"], ui
     with pytest.raises(ValueError, match=message):
         max_vram(1.0, model=model, devices=devices(pack, text))
     for n, p in model.model.diffusion_model.named_parameters():
@@ -56,8 +61,30 @@ def test_bad_devices_are_refused_on_both_nodes_before_anything_moves(pack, max_v
 
 
 def test_a_negative_reserve_is_refused(pack):
-    with pytest.raises(ValueError, match="reserve_gb must be a number of GiB, not negative"):
-        run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=-1.0)
+    _, ui = run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=-1.0)
+    assert "reserve_gb must be a number of GiB, not negative" in ui["vramcut"][0]["message"]
+
+
+def test_a_reserve_larger_than_the_device_is_refused_before_any_model_loads(pack):
+    """Said by the Devices node itself (it runs before the Max VRAM node, which waits for the
+    checkpoint), in three decimals, naming the CPU's memory as memory."""
+    import comfy.model_management as mm
+
+    total = mm.get_total_memory(torch.device("cpu")) / GIB
+    _, ui = run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=round(total + 1, 4))
+    assert f"reserve_gb {round(total + 1, 4):.3f} GiB is not less than cpu's total memory" in ui["vramcut"][0]["message"]
+    _, ui = run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=0.5)
+    assert ui["vramcut"][0]["message"] is None
+
+
+def test_a_budget_alone_is_the_main_devices_and_the_default_is_this_hosts(pack):
+    (out,), ui = run_node(pack, "VRAMCutDevices", devices="free", reserve_gb=0.5)
+    assert ui["vramcut"][0]["message"] is None and out.entries() == [("cpu", None)]
+    (out,), _ = run_node(pack, "VRAMCutDevices", devices=" 2.5 ", reserve_gb=0.5)
+    assert out.entries() == [("cpu", int(2.5 * GIB))]
+    assert pack.nodes.devices.default_text() == "cpu=free"
+    schema = pack.nodes.max_vram.VRAMCutDevices.define_schema()
+    assert schema.inputs[0].default == "cpu=free"
 
 
 def test_the_devices_node_gives_the_devices_as_typed(pack, host_with_two_gpus):
