@@ -24,7 +24,7 @@ const BANNER_LINES = 24;      // a message is shown whole (this only bounds a ru
  * grows to always matches what is drawn. opts: {reserveRight, details, zoom, unused}.
  */
 export function render(ctx, payload, W, theme, paint, opts = {}) {
-  const { reserveRight = 0, details = false, zoom = 1, unused = [] } = opts;
+  const { reserveRight = 0, details = false, zoom = 1, unused = [], devicesLinked = false } = opts;
   let headerH = 0;
   const pen = makePen(ctx, W, theme, paint);
   const unusedText = unused.length
@@ -37,6 +37,7 @@ export function render(ctx, payload, W, theme, paint, opts = {}) {
   else {
     drawHeader(pen, payload, reserveRight);
     headerH = pen.y;
+    if (devicesLinked) drawDevicesNote(pen);
     if (!payload) {
       if (unusedText) drawBanner(pen, unusedText, theme.warning, details);
       drawNoPlan(pen);
@@ -152,6 +153,20 @@ function drawBanner(pen, msg, color, details, tip = msg, headline = null) {
     "left", null, "banner"));
   pen.tip(0, y, W, h, tip);
   pen.y += h + 6;
+}
+
+/** A Devices node feeds this node: its budgets apply, not the two widgets above the plan. */
+function drawDevicesNote(pen) {
+  const top = pen.y;
+  pen.ctx.font = pen.font(12);
+  const note = "Devices connected: its budgets apply; max_vram_gb only turns VRAMCut off (0), budget_mode is not used.";
+  for (const l of wrapText(pen.ctx, note, pen.W, 4)) {
+    pen.text(l, 0, pen.y + 8, pen.theme.muted, pen.font(12), "left", null, "devices-note");
+    pen.y += 16;
+  }
+  pen.tip(0, top, pen.W, pen.y - top, "The Devices node gives each device its own budget; they replace this node's " +
+    "max_vram_gb (0 still turns VRAMCut off) and budget_mode.");
+  pen.y += 4;
 }
 
 function drawNoPlan(pen) {

@@ -19,11 +19,11 @@ import { MARGIN, MIN_NODE_WIDTH, NodeFit } from "./fit.js";
 import { syncVueHeader, unusedOutputs } from "./node.js";
 import { forgetView, views } from "./tip.js";
 import { handPointerToGraph } from "./pointer.js";
+import { devicesLinked, showThousandths } from "./devices.js";
 
 const WIDGET_NAME = "vramcut_plan";
 const VIEW_PROPERTY = "vramcut_view";   // "details" when the user expanded the node (a user edit)
 const LEGACY_PROPERTY = "vramcut_plan"; // older versions saved the plan here: still shown, never written
-const BUDGET_WIDGETS = new Set(["max_vram_gb", "reserve_gb"]);
 
 /** The widget's elements: the plan's box, its canvas, the table (hidden) and the buttons' bar;
  * `onDetails`, `onTable`: what the two buttons do. */
@@ -134,20 +134,24 @@ export class PlanView {
   }
 
   /** A loaded workflow: its view (details or not) as saved, and its plan as this page or the
-   * server's history knows it (`history`: a PlanHistory). */
+   * server's history knows it (`history`: a PlanHistory), once the load says which workflow
+   * the node is in. */
   restore(history) {
     this.fit.settle(); // a loaded workflow keeps its saved size
     this.setDetails(this.node.properties?.[VIEW_PROPERTY] === "details");
-    const known = history.known(this.node) ?? this.node.properties?.[LEGACY_PROPERTY];
-    if (known) {
-      history.remember(this.node, known);
-      this.show(known, { restore: true });
-      return;
-    }
-    history.fromHistory(this.node).then((p) => {
-      if (!p || this.payload || this.node.vramcutView !== this) return;
-      history.remember(this.node, p);
-      this.show(p, { restore: true });
+    history.afterLoad().then(() => {
+      if (this.node.vramcutView !== this) return;
+      const known = history.known(this.node) ?? this.node.properties?.[LEGACY_PROPERTY];
+      if (known) {
+        history.remember(this.node, known);
+        this.show(known, { restore: true });
+        return;
+      }
+      history.fromHistory(this.node).then((p) => {
+        if (!p || this.payload || this.node.vramcutView !== this) return;
+        history.remember(this.node, p);
+        this.show(p, { restore: true });
+      });
     });
   }
 
@@ -163,7 +167,14 @@ export class PlanView {
 
   /** Warn about outputs that lead nowhere (the node's links changed, or a frame looked). */
   checkLinks() {
-    if (this.setUnused(unusedOutputs(this.node))) this.fit.contentChanged();
+    const linked = devicesLinked(this.node);
+    const changed = linked !== this.devicesLinked;
+    if (changed) {
+      this.devicesLinked = linked;
+      this.el.dataset.devicesLinked = String(linked);
+      this.scheduleDraw();
+    }
+    if (this.setUnused(unusedOutputs(this.node)) || changed) this.fit.contentChanged();
   }
 
   setDetails(on) {
@@ -221,7 +232,8 @@ export class PlanView {
   }
 
   renderOptions() {
-    return { reserveRight: (this.bar.offsetWidth || 110) + 6, details: this.details, zoom: this.zoom(), unused: this.unused };
+    return { reserveRight: (this.bar.offsetWidth || 110) + 6, details: this.details, zoom: this.zoom(), unused: this.unused,
+      devicesLinked: !!this.devicesLinked };
   }
 
   /** Content height at a css width (at zoom 1), measured by the same pass that paints; with the
@@ -229,7 +241,7 @@ export class PlanView {
   contentHeight(width) {
     const W = Math.max(120, Math.round(width));
     const theme = readTheme(this.el);
-    const key = `${W}|${theme.font}|${this.details}|${this.unused.join(",")}|${this.showTable}`;
+    const key = `${W}|${theme.font}|${this.details}|${this.unused.join(",")}|${this.showTable}|${!!this.devicesLinked}`;
     if (this.heightCache?.payload !== this.payload || this.heightCache.key !== key) {
       const opts = { ...this.renderOptions(), zoom: 1 };
       const out = render(this.ctx, this.payload, W, theme, false, opts);
@@ -363,11 +375,7 @@ export function attachPlan(node, app, api, history) {
   });
   widget.serialize = false; // keep widgets_values to the real inputs
   node.vramcutWidget = widget;
-  // The budgets step by 0.05 GiB and round to 0.001 GiB; the host shows as many decimals as the
-  // step has, so 0.001 read "0.00": show the three the rounding keeps.
-  for (const w of node.widgets ?? []) {
-    if (BUDGET_WIDGETS.has(w.name) && w.options) w.options.precision = 3;
-  }
+  showThousandths(node);
   const onEvent = (e) => {
     const detail = e?.detail;
     if (!history.isFor(node, detail)) return;
