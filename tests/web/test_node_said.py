@@ -187,14 +187,15 @@ def test_a_fresh_copy_of_a_template_never_shows_the_plan_of_another_copys_run(co
     s = comfy_server
     url = tb._template_url(s, tb.RUNNABLE_EXAMPLE)
     tb._open_runnable_example(browser, s)
-    ran = browser.execute_async_script(EDIT_EXAMPLE_JS, s.tiny_model, 0.001, True)
+    ran = browser.execute_async_script(EDIT_EXAMPLE_JS, s.tiny_model, 1.0, True)  # a plan preview: an output kept
     assert "error" not in ran, ran
-    tb._wait(browser, "the run's plan", lambda: browser.execute_script(HAS_PLAN_JS, ran["id"]) == "true",
-             timeout=tb.PROMPT_TIMEOUT_S)
-    tb._close_error_dialog(browser)
+    tb._wait(browser, "the run's traced plan", lambda: browser.execute_script(
+        "return app.graph.getNodeById(arguments[0]).vramcutView.el.dataset.stage", ran["id"]) == "traced",
+        timeout=tb.PROMPT_TIMEOUT_S)
+    time.sleep(1.0)  # the run has ended
 
     assert "error" not in browser.execute_async_script(tb.OPEN_EXAMPLE_JS, url)
-    fresh = browser.execute_async_script(EDIT_EXAMPLE_JS, s.tiny_model, 0.001, False)
+    fresh = browser.execute_async_script(EDIT_EXAMPLE_JS, s.tiny_model, 1.0, False)
     assert "error" not in fresh, fresh  # (a tab of its own, or the same tab loaded again)
     time.sleep(3.0)  # the history has been asked and answered
     assert browser.execute_script(HAS_PLAN_JS, fresh["id"]) == "false", "a fresh copy shows another copy's run"
