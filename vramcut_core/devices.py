@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from .placement import Placement
-from .plan import Plan, Segment
-from .report import RunStats
+from .planning.placement import Placement
+from .planning.plan import Plan, Segment
+from .planning.report import RunStats
 from .runtime import hops as hops_room
 from .runtime.hops import HOME, KEEP, Hops
 
@@ -61,7 +61,7 @@ def check_hops(module: nn.Module, placed: Sequence[tuple[object, torch.device]],
                fn: Callable, args: tuple, kwargs: dict) -> HopCheck:
     """Run ``fn`` on fake tensors with each unit's weights on its device and the inputs on the
     device they are on now (see the module docstring); the user's model is never changed."""
-    from .trace import _first_line
+    from .figures.trace import _first_line
 
     reasons: dict[str, str] = {}
     for rule in RULES:
@@ -88,7 +88,7 @@ def _mixes_devices(e: Exception) -> bool:
 def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .trace import _active, _Call, _fake_weights, _keep_fakes_in_place, _ModuleState, _restore_weights
+    from .figures.trace import _active, _Call, _fake_weights, _keep_fakes_in_place, _ModuleState, _restore_weights
 
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     state = _ModuleState(module)
@@ -200,7 +200,7 @@ def combined_plan(placement: Placement, source: str | None, warnings: Sequence[s
 def placement_json(placement: Placement, hops: list[dict], measured_peaks: dict[str, int | None]) -> dict:
     """The plan JSON's "devices", "hops", "hop_bytes_per_call" and "hops_per_call" (the shape the
     node draws): one entry per device in the user's order."""
-    from .report import plan_to_json
+    from .planning.report import plan_to_json
 
     devs = []
     for d in placement.devices:

@@ -37,18 +37,18 @@ import torch
 from torch import nn
 
 from .devices import DeviceGroup, check_hops, combined, combined_plan, placement_json, unit_devices
-from .executor import SegmentedExecutor
-from .placement import Placement, place
+from .runtime.executor import SegmentedExecutor
+from .planning.placement import Placement, place
 from .runtime.hops import HOME
-from .measure import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .plan import (REFIT_MARGIN, STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, gib_text, refit_budget,
+from .figures.meters import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
+from .planning.plan import (REFIT_MARGIN, STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, gib_text, refit_budget,
                    refit_reason)
-from .report import RunStats, plan_to_json, plan_to_text
-from .tensors import fmt_bytes, max_abs_diff
-from .trace import MEASURED, TRACED, TraceResult, trace_units, tracing
-from .planner import UnitPlanner
-from . import speed
-from .speed import SPEEDS, UnitTimes
+from .planning.report import RunStats, plan_to_json, plan_to_text
+from .model.tensors import fmt_bytes, max_abs_diff
+from .figures.trace import MEASURED, TRACED, TraceResult, trace_units, tracing
+from .planning.planner import UnitPlanner
+from .figures import speed
+from .figures.speed import SPEEDS, UnitTimes
 
 log = logging.getLogger("vramcut")
 

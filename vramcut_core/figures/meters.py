@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .tensors import is_plain_tensor
+from ..model.tensors import is_plain_tensor
 
 
 
