@@ -9,6 +9,8 @@ user met (each failed before its fix):
   device's, and a note on the Max VRAM node that its budget widgets yield to the devices;
 * three decimals on the Devices node's reserve, a real run's refusal naming its model, and the
   table's footer in the node's words ("1 call", seconds with a space, no "window 0×0 B");
+* a long module path in a banner wrapped whole at the default width, never cut;
+* a refused model's table: the refusal, not the plan drawn before the run;
 * below one block's weights, with a preview shape, every model previewed and one number that
   makes all of them fit.
 
@@ -16,6 +18,7 @@ The page helpers are test_browser.py's, test_node_look.py's and test_node_truth.
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import sys
@@ -25,8 +28,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_browser as tb  # noqa: E402
-from test_node_look import CANVAS_STRINGS_JS, _vae_run, _view  # noqa: E402
-from test_node_truth import _gib, _preview  # noqa: E402
+from test_node_look import CANVAS_STRINGS_JS, _set_width, _vae_run, _view  # noqa: E402
+from test_node_truth import DEFAULT_WIDTH, PARTS_PAYLOAD, _gib, _preview  # noqa: E402
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 
@@ -140,7 +143,7 @@ def test_three_decimals_a_refusal_naming_its_model_and_the_tables_words(comfy_se
     browser.execute_script("app.graph.getNodeById(arguments[0]).vramcutView.toggleTable(true)", ids["cut"])
     table = browser.execute_script("return app.graph.getNodeById(arguments[0]).vramcutView.pre.innerText", ids["cut"])
     assert "call(s)" not in table and "×0 B" not in table and "no streaming window" in table, table
-    assert re.search(r"measured: 1 call, ", table) and not re.search(r"\d\.\d{3}s\b", table), table
+    assert re.search(r"measured: 1 call\b(?!\(s\))", table) and not re.search(r"\d\.\d{3}s\b", table), table
 
 
 # -------------------------------------------------- 6: below one block, every model still previewed
@@ -205,3 +208,47 @@ def test_a_fresh_copy_of_a_template_never_shows_the_plan_of_another_copys_run(co
     tb._wait(browser, "the node after the reload", lambda: browser.execute_script(HAS_PLAN_JS, fresh["id"]) is not None)
     time.sleep(3.0)
     assert browser.execute_script(HAS_PLAN_JS, fresh["id"]) == "false", "after a reload the unrun copy shows the run"
+
+
+# ------------------------------------------------ 4 and 2: what a long refusal and its table say
+
+NODE_JS = """
+app.graph.clear();
+const c = LiteGraph.createNode("%(node)s"); c.pos = [40, 60]; app.graph.add(c);
+app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 40]; app.canvas.setDirty(true, true);
+return c.id;
+""" % {"node": tb.NODE_TYPE}
+
+SHOW_JS = "app.graph.getNodeById(arguments[0]).vramcutShow(arguments[1]); app.canvas.setDirty(true, true);"
+LONG_UNIT = "clip_l.transformer.text_model.encoder.layers.0.mlp.fc1"
+
+
+def _refused_payload() -> dict:
+    """PARTS_PAYLOAD's plan, then its run refused: the CLIP's unit alone is over the budget."""
+    p = copy.deepcopy(PARTS_PAYLOAD)
+    m = p["models"][0]
+    msg = (f"MODEL: VRAM budget 0.293 GiB is too small: unit '{LONG_UNIT}' needs 0.400 GiB of weights on the "
+           "device (cannot be cut finer); max_vram_gb must be at least 0.400")
+    m.update(refused=True, message=msg, need_bytes=int(0.4 * (1 << 30)))
+    p.update(message=msg, message_level="error", need_bytes=m["need_bytes"])
+    return p
+
+
+def test_a_long_refusal_wraps_whole_and_its_table_shows_the_refusal(comfy_server, browser):
+    """At the default width, a banner naming a long module path wraps it at its dots (every row
+    within the node, the path whole when the rows are joined), and the table of the refused model
+    shows the refusal instead of the segments of the plan drawn before the run."""
+    s = comfy_server
+    tb._open(browser, s)
+    cut = browser.execute_script(NODE_JS)
+    browser.execute_script(SHOW_JS, cut, _refused_payload())
+    v = _set_width(browser, cut, DEFAULT_WIDTH)
+    banner = [t for t in v["texts"] if t["kind"] == "banner"]
+    assert banner and all("…" not in t["text"] for t in banner), [t["text"] for t in banner]
+    assert LONG_UNIT in "".join(t["text"] for t in banner), [t["text"] for t in banner]
+    assert all(t["x"] + t["w"] <= v["W"] + 0.5 for t in banner), [(t["text"], t["x"], t["w"], v["W"]) for t in banner]
+
+    browser.execute_script("app.graph.getNodeById(arguments[0]).vramcutView.toggleTable(true)", cut)
+    table = browser.execute_script("return app.graph.getNodeById(arguments[0]).vramcutView.pre.innerText", cut)
+    assert "refused" in table and LONG_UNIT in table, table
+    assert "blocks.1.2" not in table and "streamed per call" not in table, ("the plan drawn before the run", table)
