@@ -93,9 +93,10 @@ export class PlanHistory {
     // the cleared workflow's runs end with it
     api.addEventListener("graphCleared", () => this.forgetRuns());
     // A loaded workflow's nodes are configured before the frontend makes it the active one:
-    // which workflow they are in is known once the load has returned. Content loaded from a file
-    // or a template (no workflow object: not a tab switch, nor the page's first load, which
-    // restores the tabs) starts without runs, even in a tab (a path) that had some.
+    // which workflow they are in is known once the load has returned. Content opened from a file
+    // or a template (the load names it; not a tab switch, which passes the workflow itself, nor
+    // the page's first load, which restores the tabs) starts without runs, even in a tab (a path)
+    // that had some.
     this.loading = 0;
     this.loaded = [];
     this.started = false;
@@ -116,7 +117,7 @@ export class PlanHistory {
     if (typeof load === "function") {
       const history = this;
       app.loadGraphData = async function (...args) {
-        const fresh = history.started && !(args[3] && typeof args[3] === "object");
+        const fresh = history.started && typeof args[3] === "string";
         history.loading += 1;
         try {
           return await load.apply(this, args);
