@@ -49,7 +49,7 @@ def sim(monkeypatch, pack):
 
 
 @pytest.fixture
-def host_pins(comfy, pack, monkeypatch):
+def host_pins(comfy, pack, monkeypatch, link_figure):
     """The host's own page-locking on, its table empty; the pack's ledger with no cap of its own."""
     import comfy.model_management as mm
     import comfy.model_patcher
@@ -65,6 +65,12 @@ def host_pins(comfy, pack, monkeypatch):
     monkeypatch.setattr(ledger, "room", None)
     monkeypatch.setattr(ledger, "bytes", 0)
     monkeypatch.setattr(ledger, "cap", -1)
+    return mm
+
+
+@pytest.fixture
+def link_figure(monkeypatch, pack):
+    """The node's answer line estimates a cost from the link's bandwidth: a figure given here (as
+    a cached one), not measured on this machine."""
     monkeypatch.setattr(pack.vramcut_core.figures.bandwidth, "host_to_device",
                         lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
-    return mm

@@ -27,7 +27,8 @@ from ..model import quant
 from . import residency, timeline
 from ..figures import speed
 from ..figures.meters import UnitMeasurement
-from .plan import BudgetError, Plan, PlanOptions, PlanTime, PlanUnit, budget_error, make_plan, measuring_plan
+from .budget import BudgetError, budget_error
+from .plan import Plan, PlanOptions, PlanTime, PlanUnit, make_plan, measuring_plan
 from ..model.tensors import is_plain_tensor
 from ..model.units import Unit, UnitSet, find_units, split_unit
 
