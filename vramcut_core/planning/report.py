@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .plan import Plan, budget_gib, need_gib
+from .budget import budget_gib, need_gib
+from .plan import Plan
 from ..model.tensors import fmt_bytes
 
 
