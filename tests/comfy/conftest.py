@@ -11,15 +11,6 @@ from pack_nodes import load_pack, run_node
 from sim_cuda import simulated_cuda
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _bandwidth_cache(tmp_path_factory):
-    """The node measures the host-to-device bandwidth once and caches it: here, not in the home."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VRAMCUT_CACHE_DIR", str(tmp_path_factory.mktemp("vramcut_cache")))
-    yield
-    mp.undo()
-
-
 @pytest.fixture(scope="session")
 def comfy():
     try:

@@ -184,7 +184,7 @@ class Measuring:
         """CPU copies are synchronous: compute waits for every one of them."""
         stats.time_wait_s = stats.time_copy_s
         stats.time_s, stats.timed = wall, 1
-        stats.time_compute_s = max(0.0, wall - stats.time_copy_s)
+        stats.time_compute_s = max(0.0, wall - stats.time_copy_s - stats.time_load_s)
         if self.meas is not None:
             stats.peak_device_bytes = self.memory.peak + max(
                 (m.peak_bytes for m in self.meas.values()), default=0)
