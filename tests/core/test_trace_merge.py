@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from test_trace import GeluMLP
 from toys import assert_unchanged, seeded, snapshot
 from vramcut_core import BudgetError, Engine, EngineConfig
 from vramcut_core.figures.trace import TRACED
@@ -23,22 +24,11 @@ from vramcut_core.runtime.executor import SegmentedExecutor
 RANK = 4
 
 
-class Block(nn.Module):
-    """Cut finer into ``up`` and ``down``: ``down`` runs while the 4x intermediate is alive."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
 class Stack(nn.Module):
     def __init__(self, d: int = 64, depth: int = 4) -> None:
         super().__init__()
         self.embed = nn.Linear(8, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.blocks = nn.ModuleList(GeluMLP(d) for _ in range(depth))  # cut finer into fc1, fc2
         self.head = nn.Linear(d, 8)
 
     def forward(self, x):
@@ -119,7 +109,7 @@ def _refusal(model, x, merge, budget):
 @pytest.mark.parametrize("tokens", [96, 4])
 def test_the_number_holds_the_hooks_temporaries_and_runs_the_traced_plan(tokens, forwards, caplog):
     """``tokens`` 4: activations are small beside the weights, the smallest budget cuts blocks
-    finer, and ``down`` merges its weights at its own entry, beside what ``up`` computed."""
+    finer, and ``fc2`` merges its weights at its own entry, beside what ``fc1`` computed."""
     model, x, merge, ref = _case(tokens=tokens)
     snap = snapshot(model)
     err = _refusal(model, x, merge, 1024)
