@@ -36,6 +36,9 @@ def test_nvfp4_lora_on_the_simulated_accelerator_bit_exact_within_budget(comfy, 
     import comfy.sd
 
     q = quantized_cases()
+    why = q._kitchen_missing("nvfp4")
+    if why:
+        pytest.skip(f"nvfp4: {why}")
     with simulated_host(monkeypatch, pack) as sim:
         # the merge computes in the host's LoRA precision for the device: the CPU's, as the reference
         monkeypatch.setitem(mm.LORA_COMPUTE_DTYPES, torch.device("cuda", 0), torch.float32)
