@@ -127,7 +127,8 @@ def mib(n: int) -> str:
 def time_cells(units, budget: int, options, split_unit=None) -> list[str]:
     """Cells of one budget: for each link, the predicted call as many as fit and by time
     ("T s (R× resident)"), or one cell "refused (needs X)" for every column."""
-    from vramcut_core.planning.plan import BudgetError, make_plan
+    from vramcut_core.planning.budget import BudgetError
+    from vramcut_core.planning.plan import make_plan
     from vramcut_core.planning.residency import by_time
     from vramcut_core.planning.timeline import predict
 
@@ -155,7 +156,7 @@ def time_rows(name: str, units, options, budgets=BUDGETS_GIB, split_unit=None) -
 def placement_rows(name: str, units, options, traced: bool, sizes=PAIRS_GIB, split_unit=None) -> list[str]:
     """For each size: one GPU of it, then two; host-link bytes, hops and hop bytes per call."""
     from vramcut_core.planning.placement import place
-    from vramcut_core.planning.plan import BudgetError
+    from vramcut_core.planning.budget import BudgetError
 
     kind = "traced" if traced else "weights only"
     out = []
@@ -185,7 +186,7 @@ def dry_run(spec, inputs: dict | None = None):
 
     import full_size as fs
     import vramcut_core as core
-    from vramcut_core.planning.plan import BudgetError
+    from vramcut_core.planning.budget import BudgetError
 
     if inputs is not None:
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}

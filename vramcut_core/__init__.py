@@ -11,7 +11,8 @@ from .engine import Engine, EngineConfig, HostHooks, TraceUnavailable
 from .runtime.executor import SegmentedExecutor
 from .figures.meters import signature
 from .planning.placement import parse_devices
-from .planning.plan import BudgetError, Plan, PlanOptions, PlanUnit, Segment, build_plan, gib_text, gib_to_bytes, make_plan
+from .planning.budget import BudgetError, gib_text, gib_to_bytes
+from .planning.plan import Plan, PlanOptions, PlanUnit, Segment, build_plan, make_plan
 from .model.quant import parts as quant_parts
 from .planning.report import RunStats, cost_to_json, plan_to_json, plan_to_text
 from .model.tensors import GIB, fmt_bytes, is_plain_tensor

@@ -41,8 +41,8 @@ from .runtime.executor import SegmentedExecutor
 from .planning.placement import Placement, place
 from .runtime.hops import HOME
 from .figures.meters import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .planning.plan import (REFIT_MARGIN, STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, gib_text, refit_budget,
-                   refit_reason)
+from .planning.budget import BudgetError, STOPPED, budget_error, gib_text
+from .planning.plan import Plan, PlanOptions, REFIT_MARGIN, Refit, refit_budget, refit_reason
 from .planning.report import RunStats, plan_to_json, plan_to_text
 from .model.tensors import fmt_bytes, max_abs_diff
 from .figures.trace import MEASURED, TRACED, TraceResult, trace_units, tracing

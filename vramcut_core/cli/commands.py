@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..planning.plan import BudgetError, PlanOptions, gib_to_bytes, make_plan
+from ..planning.budget import BudgetError, gib_to_bytes
+from ..planning.plan import PlanOptions, make_plan
 from ..planning.report import dumps, plan_to_json, plan_to_text
 
 

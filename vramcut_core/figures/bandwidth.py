@@ -20,6 +20,7 @@ import json
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -97,28 +98,34 @@ def measure(device, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> 
     return n / max(best, 1e-9)
 
 
-def host_to_device(device) -> dict:
-    """``{"bytes_per_s", "device", "source"}`` for ``device``: from memory, the cache file, or
-    measured now (``source`` says which). ``bytes_per_s`` is None when it could not be measured."""
-    key = device_key(device)
+def _figure(key: str, field: str, about: dict, measure_now: Callable[[], float], probe: dict) -> dict:
+    """``{field, **about, "source"}`` for ``key``: from memory, the cache file, or ``measure_now()``
+    (then written to the cache with ``probe``, what was measured); ``source`` says which, and
+    ``field`` is None when it could not be measured."""
     with _lock:
         hit = _memo.get(key)
         if hit is not None:
             return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
         cached = _read_cache().get(key)
-        if isinstance(cached, dict) and isinstance(cached.get("bytes_per_s"), (int, float)) \
-                and cached["bytes_per_s"] > 0:
-            entry = {"bytes_per_s": float(cached["bytes_per_s"]), "device": key, "source": "cache"}
+        if isinstance(cached, dict) and isinstance(cached.get(field), (int, float)) and cached[field] > 0:
+            entry = {field: float(cached[field]), **about, "source": "cache"}
         else:
             try:
-                bps = measure(device)
-                entry = {"bytes_per_s": bps, "device": key, "source": "measured"}
-                _write_cache(key, {"bytes_per_s": bps, "probe_bytes": PROBE_BYTES,
+                value = measure_now()
+                entry = {field: value, **about, "source": "measured"}
+                _write_cache(key, {field: value, **probe,
                                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            except Exception:  # no memory for the probe, a device that went away: no estimate
-                entry = {"bytes_per_s": None, "device": key, "source": "unmeasurable"}
+            except Exception:  # no memory for the probe, a device that went away, a dtype it cannot
+                entry = {field: None, **about, "source": "unmeasurable"}   # multiply: no estimate
         _memo[key] = entry
         return dict(entry)
+
+
+def host_to_device(device) -> dict:
+    """``{"bytes_per_s", "device", "source"}`` for ``device``: from memory, the cache file, or
+    measured now (``source`` says which). ``bytes_per_s`` is None when it could not be measured."""
+    key = device_key(device)
+    return _figure(key, "bytes_per_s", {"device": key}, lambda: measure(device), {"probe_bytes": PROBE_BYTES})
 
 
 def cached_host_to_device(device) -> float | None:
@@ -173,27 +180,9 @@ def matmul_throughput(device, dtype=torch.float32) -> dict:
     """``{"flops_per_s", "device", "dtype", "source"}`` for a matrix product on ``device`` in
     ``dtype``: from memory, the cache file, or measured now, as ``host_to_device``.
     ``flops_per_s`` is None when it could not be measured."""
-    key = matmul_key(device, dtype)
-    dt = str(dtype).replace("torch.", "")
-    with _lock:
-        hit = _memo.get(key)
-        if hit is not None:
-            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
-        cached = _read_cache().get(key)
-        if isinstance(cached, dict) and isinstance(cached.get("flops_per_s"), (int, float)) \
-                and cached["flops_per_s"] > 0:
-            entry = {"flops_per_s": float(cached["flops_per_s"]), "device": device_key(device), "dtype": dt,
-                     "source": "cache"}
-        else:
-            try:
-                fps = measure_matmul(device, dtype)
-                entry = {"flops_per_s": fps, "device": device_key(device), "dtype": dt, "source": "measured"}
-                _write_cache(key, {"flops_per_s": fps, "n": MATMUL_N.get(torch.device(device).type),
-                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            except Exception:  # a dtype the device cannot multiply, no memory: no estimate
-                entry = {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": "unmeasurable"}
-        _memo[key] = entry
-        return dict(entry)
+    about = {"device": device_key(device), "dtype": str(dtype).replace("torch.", "")}
+    return _figure(matmul_key(device, dtype), "flops_per_s", about, lambda: measure_matmul(device, dtype),
+                   {"n": MATMUL_N.get(torch.device(device).type)})
 
 
 def forget() -> None:

@@ -27,7 +27,8 @@ from ..model import quant
 from . import residency, timeline
 from ..figures import speed
 from ..figures.meters import UnitMeasurement
-from .plan import BudgetError, Plan, PlanOptions, PlanTime, PlanUnit, budget_error, make_plan, measuring_plan
+from .budget import BudgetError, budget_error
+from .plan import Plan, PlanOptions, PlanTime, PlanUnit, make_plan, measuring_plan
 from ..model.tensors import is_plain_tensor
 from ..model.units import Unit, UnitSet, find_units, split_unit
 
@@ -94,6 +95,9 @@ class UnitPlanner:
         parts = split_unit(self.all[name])
         if not parts:
             return None
+        for p in parts:   # known before anything asks for a part's bytes
+            self.all[p.name] = p
+            self.parent.setdefault(p.name, name)
         if seconds is not None and name in seconds:
             # the parts share the unit's compute time by their weight bytes (nothing timed them)
             total = sum(self.unit_bytes(p.name) for p in parts) or 1
@@ -101,8 +105,6 @@ class UnitPlanner:
                 seconds[p.name] = seconds[name] * self.unit_bytes(p.name) / total
         parent = meas.get(name) if meas else None
         for p in parts:
-            self.all[p.name] = p
-            self.parent.setdefault(p.name, name)
             if meas is None or parent is None:
                 continue
             # A part needs at most what the whole unit needed (with the host's merge at the part's

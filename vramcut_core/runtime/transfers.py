@@ -137,11 +137,17 @@ class Transfers:
         if other:
             mem.account(other)
         st = self.stats
-        if st is not None:
+        if st is not None and any(n not in mem.resident_names for n in names):
             st.copies += 1
             st.bytes_streamed += sum(mem.unit_bytes(n) for n in names if n not in mem.resident_names)
             if not self.cuda:
                 st.time_copy_s += time.perf_counter() - t0
+        elif st is not None:
+            # a resident unit's copy, once (the first planned call, or the host wrote into it): not
+            # streaming, which is what a call pays each time
+            st.resident_loads += 1
+            if not self.cuda:
+                st.time_load_s += time.perf_counter() - t0
         if self.cuda and sync:
             self.order_readers(done)
         return out
