@@ -12,6 +12,7 @@ import sys
 import types
 from typing import Callable
 
+import pytest
 import torch
 
 from sim_cuda import simulated_cuda
@@ -81,3 +82,20 @@ def sampling(clone, steps: Callable):
     outer = pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, {"transformer_options": {"wrappers": clone.wrappers}},
                                 is_model_options=True)
     return pe.WrapperExecutor.new_class_executor(run, types.SimpleNamespace(model_patcher=clone), outer).execute()
+
+
+@pytest.fixture
+def forward_peaks(monkeypatch, pack):
+    """Every executor forward metered (the CPU meter on steady forwards too): ``(peak, budget)``
+    of each, the pack's own executor class as ComfyUI imports it."""
+    SegmentedExecutor = pack.vramcut_core.runtime.executor.SegmentedExecutor
+    seen, orig = [], SegmentedExecutor.forward
+
+    def metered(self, plan, *a, **k):
+        self.track_cpu_memory = True
+        out = orig(self, plan, *a, **k)
+        seen.append((out[1].peak_device_bytes, plan.budget_bytes))
+        return out
+
+    monkeypatch.setattr(SegmentedExecutor, "forward", metered)
+    return seen

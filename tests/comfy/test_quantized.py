@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from host_cases import forward_peaks  # noqa: F401 (a fixture)
 GIB = 1 << 30
 
 
@@ -314,23 +315,6 @@ def test_quantized_model_samples_bit_exact_with_stored_bytes_in_budget(quantized
 
 LORA_ROOM = 2 << 20
 SMALLEST = re.compile(r"set max_vram_gb to (?:at least )?([0-9]+\.[0-9]+)")
-
-
-@pytest.fixture
-def forward_peaks(monkeypatch, pack):
-    """Every executor forward metered (the CPU meter on steady forwards too): ``(peak, budget)``
-    of each, the pack's own executor class as ComfyUI imports it."""
-    SegmentedExecutor = pack.vramcut_core.runtime.executor.SegmentedExecutor
-    seen, orig = [], SegmentedExecutor.forward
-
-    def metered(self, plan, *a, **k):
-        self.track_cpu_memory = True
-        out = orig(self, plan, *a, **k)
-        seen.append((out[1].peak_device_bytes, plan.budget_bytes))
-        return out
-
-    monkeypatch.setattr(SegmentedExecutor, "forward", metered)
-    return seen
 
 
 def lora_budget(max_vram, model, run, node_id="probe"):
