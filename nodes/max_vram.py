@@ -55,7 +55,7 @@ def _budget_inputs() -> list:
 
 def _settings(kw) -> Settings:
     return Settings(kw["max_vram_gb"], kw["budget_mode"], kw["reserve_gb"], kw["prefetch"], kw["residency"],
-                    devices=kw.get("devices")).validate()
+                    devices=kw.get("devices"), max_ram_gb=kw.get("max_ram_gb") or 0.0).validate()
 
 
 def _preview_input() -> list:
@@ -69,7 +69,12 @@ def _preview_input() -> list:
             DevicesIO.Input("devices", optional=True,
                             tooltip="Connect 'Devices (VRAMCut)' to place each model's blocks across several "
                                     "GPUs, each under its own budget (they replace max_vram_gb and budget_mode; "
-                                    "0 still turns VRAMCut off). Without it: one GPU, max_vram_gb's budget.")]
+                                    "0 still turns VRAMCut off). Without it: one GPU, max_vram_gb's budget."),
+            io.Float.Input("max_ram_gb", default=0.0, min=0.0, max=4096.0, step=0.5, round=0.001, optional=True,
+                           tooltip="RAM budget in GiB for each connected model's weights in host memory. What "
+                                   "does not fit is read from its file on disk at every step (the checkpoint "
+                                   "itself where it holds the weights as loaded, else a cache file VRAMCut "
+                                   "writes once). 0: no RAM budget (the weights that stream stay in RAM).")]
 
 
 def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None:
@@ -177,9 +182,9 @@ class VRAMCutMaxVRAM(io.ComfyNode):
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                model=None, clip=None, vae=None, preview_shape=None, devices=None) -> io.NodeOutput:
+                model=None, clip=None, vae=None, preview_shape=None, devices=None, max_ram_gb=0.0) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                      prefetch=prefetch, residency=residency, devices=devices)
+                      prefetch=prefetch, residency=residency, devices=devices, max_ram_gb=max_ram_gb)
         return _execute(cls, budget, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
                                       ("VAE", vae, patch_vae)], preview_shape)
 
@@ -194,9 +199,10 @@ class VRAMCutMaxVRAMExtras(io.ComfyNode):
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                upscale_model=None, clip_vision=None, preview_shape=None, devices=None) -> io.NodeOutput:
+                upscale_model=None, clip_vision=None, preview_shape=None, devices=None,
+                max_ram_gb=0.0) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                      prefetch=prefetch, residency=residency, devices=devices)
+                      prefetch=prefetch, residency=residency, devices=devices, max_ram_gb=max_ram_gb)
         return _execute(cls, budget, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
                                       ("CLIP_VISION", clip_vision, patch_clip_vision)], preview_shape)
 

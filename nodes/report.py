@@ -113,6 +113,8 @@ class NodeReport:
             entry["time"] = t
         if isinstance(d["plan"].get("refit"), dict):
             entry["refit"] = d["plan"]["refit"]
+        if isinstance(d["plan"].get("tiers"), dict):  # under max_ram_gb: RAM / disk bytes, reads per call
+            entry["tiers"] = d["plan"]["tiers"]
         if kind in self._index:
             self.payload["models"][self._index[kind]] = entry
         else:

@@ -16,7 +16,7 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import GIB, BudgetError, Engine, EngineConfig, gib_text, signature
+from ..vramcut_core import GIB, BudgetError, Engine, EngineConfig, RamBudgetError, gib_text, signature
 from .compiler import compiler_off
 from .devices import Devices, device_name, memory_word
 from .errors import VRAMCutError, VRAMCutOOM
@@ -40,9 +40,10 @@ class Settings:
     prefetch: bool = True
     residency: bool = True
     devices: Devices | None = None  # the Devices node's budgets, one per device; None: max_vram_gb's
+    max_ram_gb: float = 0.0         # host RAM for the models' weights (the rest is read from disk); 0: no budget
 
     def validate(self) -> "Settings":
-        for name in ("max_vram_gb", "reserve_gb"):
+        for name in ("max_vram_gb", "reserve_gb", "max_ram_gb"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v):
                 raise VRAMCutError(f"{name} must be a number of GiB, got {v!r}")
@@ -130,7 +131,8 @@ class PatchState:
         eng = self._engines.get(module)
         if eng is None or eng.device != dev:
             cfg = EngineConfig(**self._budget(dev), prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
+                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk,
+                               ram_budget_bytes=int(self.settings.max_ram_gb * GIB) or None)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan),
                          host=host_hooks(dev))
             for w in eng.unitset.warnings:
@@ -266,7 +268,8 @@ class PatchState:
             lead = msg
             if getattr(e, "min_budget_bytes", None):
                 to = "to" if getattr(e, "exact", False) else "to at least"  # "at least": a lower bound only
-                lead = f"Max VRAM: set max_vram_gb {to} {gib_text(e.min_budget_bytes)}. {msg}"
+                what = "max_ram_gb" if isinstance(e, RamBudgetError) else "max_vram_gb"
+                lead = f"Max VRAM: set {what} {to} {gib_text(e.min_budget_bytes)}. {msg}"
             if fallback:
                 raise VRAMCutOOM(lead) from e
             raise VRAMCutError(lead) from e

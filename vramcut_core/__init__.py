@@ -16,13 +16,14 @@ from .planning.plan import Plan, PlanOptions, PlanUnit, Segment, build_plan, mak
 from .model.quant import parts as quant_parts
 from .planning.report import RunStats, cost_to_json, plan_to_json, plan_to_text
 from .model.tensors import GIB, fmt_bytes, is_plain_tensor
+from .planning.tiers import RamBudgetError
 from .model.units import FAMILIES, Family, Unit, UnitSet, find_units, split_unit
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BudgetError", "Engine", "EngineConfig", "FAMILIES", "Family", "GIB", "HostHooks", "Plan", "PlanOptions",
-    "PlanUnit", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet", "build_plan",
-    "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
+    "PlanUnit", "RamBudgetError", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet",
+    "build_plan", "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
     "make_plan", "parse_devices", "plan_to_json", "plan_to_text", "quant_parts", "signature", "split_unit",
 ]

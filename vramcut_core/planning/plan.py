@@ -120,6 +120,7 @@ class Plan:
     source: str | None = None
     time: PlanTime | None = None      # the predicted step, where compute times and bandwidth are known
     refit: Refit | None = None        # planned again because the budget moved (free memory)
+    tiers: object | None = None       # under a RAM budget: each unit's host tier (``tiers.Tiers``)
 
     @property
     def resident_bytes(self) -> int:

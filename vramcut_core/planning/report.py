@@ -7,6 +7,7 @@ import json
 from .budget import budget_gib, need_gib
 from .plan import Plan
 from ..model.tensors import fmt_bytes
+from .tiers import tiers_text, tiers_to_json
 
 
 @dataclasses.dataclass
@@ -28,6 +29,7 @@ class RunStats:
     # have completed, which may be in a later forward's stats; CPU: wall time), over ``timed`` forwards
     time_s: float = 0.0
     timed: int = 0
+    disk_bytes_read: int = 0   # read from weights files (disk-tier units, under a RAM budget)
 
     @property
     def s_per_forward(self) -> float | None:
@@ -35,7 +37,7 @@ class RunStats:
         return self.time_s / self.timed if self.timed else None
 
     def add(self, other: "RunStats") -> None:
-        for f in ("forwards", "bytes_streamed", "copies", "sync_loads", "resident_loads", "timed"):
+        for f in ("forwards", "bytes_streamed", "copies", "sync_loads", "resident_loads", "timed", "disk_bytes_read"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for f in ("time_copy_s", "time_load_s", "time_compute_s", "time_wait_s", "time_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
@@ -84,6 +86,8 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None, steady: RunStats | N
         out["time"] = time_to_json(plan, steady)
     if plan.refit is not None:
         out["refit"] = dataclasses.asdict(plan.refit)
+    if plan.tiers is not None:
+        out["tiers"] = tiers_to_json(plan.tiers, plan)
     return out
 
 
@@ -229,6 +233,8 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     if plan.refit is not None:
         out.append(f"planned again for {budget_gib(plan.refit.budget_bytes)} (was "
                    f"{budget_gib(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
+    if plan.tiers is not None:
+        out.append(tiers_text(plan.tiers))
     if steady is not None and steady.forwards:
         n = steady.forwards
         out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "

@@ -91,7 +91,7 @@ class SegmentedExecutor:
         # the rooms; each registers the finalizer for what it owns
         self.memory = DeviceMemory(units, self.device, alloc_context)
         pin = self.cuda if pin_memory is None else (pin_memory and self.cuda)
-        self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place, keep_file_backed)
+        self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place, keep_file_backed, self.cuda)
         self.binding = Binding(units, self.memory.layout)
         self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units, reader_streams)
         self.hooks = UnitHooks(units, self)
@@ -164,6 +164,7 @@ class SegmentedExecutor:
         capped = None   # the allocator's fraction to restore after a capped measuring forward
         try:
             _EXECUTORS.release_others(self._module() if self._module is not None else None, self)
+            self.masters.tiers.check()  # the weights files are as they were (disk-tier units)
             if self.cuda:
                 start_ev = ms.start_cuda()
             self._last_plan = self._plan = plan
@@ -284,6 +285,7 @@ class SegmentedExecutor:
         self._plan = plan
         mem, groups = self.memory, plan.streamed_groups
         mem.free_for(plan, self._stale_copies, self.transfers.order_after_copies)
+        self.masters.tiers.use(plan.tiers)  # under a RAM budget: units leave RAM before others enter
         self.transfers.load_resident(plan, self._stale_copies)
         self._stale_copies = False
         while len(mem.slots) < plan.slots:
