@@ -292,24 +292,28 @@ class Engine:
                         fmt_bytes(e.activation_bytes))
         return (*self._measure(fn, args, kwargs), TRACED)
 
-    def _trace(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict, keep_failure: bool = True) -> TraceResult:
-        """The dry run's profile of ``sig``, cached (a failure only with ``keep_failure``)."""
+    def _trace(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict, keep_failure: bool = True,
+               on_loaded: Callable | None = None) -> TraceResult:
+        """The dry run's profile of ``sig``, cached (a failure only with ``keep_failure``). The
+        call's ``on_loaded`` hook (the executor's, in a run) runs in it, on the fakes."""
         tr = self.traces.get(sig)
         if tr is None:
             for ex in self.executors:
                 ex.restore_weights()  # the dry run swaps the registries the held copies use
-            tr = trace_units(self.module, self.unitset.units, fn, args, kwargs)
+            tr = trace_units(self.module, self.unitset.units, fn, args, kwargs,
+                             on_loaded=on_loaded or self.executor.on_loaded)
             if tr.measurements is not None or keep_failure:
                 self.traces[sig] = tr
         return tr
 
-    def preview_as(self, sig: tuple, fn: Callable, *args, **kwargs) -> Plan:
+    def preview_as(self, sig: tuple, fn: Callable, *args, on_loaded: Callable | None = None, **kwargs) -> Plan:
         """The plan the first forward of ``fn(*args, **kwargs)`` (input signature ``sig``) would
         run, from the dry run alone: no weight copied, no real forward. A budget too small is a
         ``BudgetError``, a forward the dry run cannot run a ``TraceUnavailable``; neither is
-        remembered. Only the traced profile stays, cached as the first forward would cache it."""
+        remembered. Only the traced profile stays, cached as the first forward would cache it
+        (``on_loaded``: the hook the run will call, as ``run`` takes it)."""
         self.revalidate()
-        tr = self._trace(sig, fn, args, kwargs, keep_failure=False)
+        tr = self._trace(sig, fn, args, kwargs, keep_failure=False, on_loaded=on_loaded)
         if tr.measurements is None:
             raise TraceUnavailable(tr.reason or "the dry run gave no figures")
         if self.group is not None:  # the placement, drawn as one plan
