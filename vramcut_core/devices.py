@@ -174,7 +174,8 @@ def combined(stats: dict[str, RunStats]) -> RunStats:
         out.bytes_streamed += s.bytes_streamed
         out.copies += s.copies
         out.sync_loads += s.sync_loads
-        for f in ("time_copy_s", "time_compute_s", "time_wait_s"):
+        out.resident_loads += s.resident_loads
+        for f in ("time_copy_s", "time_load_s", "time_compute_s", "time_wait_s"):
             setattr(out, f, max(getattr(out, f), getattr(s, f)))
         out.peak_device_bytes = max(out.peak_device_bytes, s.peak_device_bytes)
         out.peak_weight_bytes = max(out.peak_weight_bytes, s.peak_weight_bytes)

@@ -41,8 +41,8 @@ from .runtime.executor import SegmentedExecutor
 from .planning.placement import Placement, place
 from .runtime.hops import HOME
 from .figures.meters import OverBudget, UnitMeasurement, describe_signature, joint_measurements, signature
-from .planning.plan import (REFIT_MARGIN, STOPPED, BudgetError, Plan, PlanOptions, Refit, budget_error, gib_text, refit_budget,
-                   refit_reason)
+from .planning.budget import BudgetError, STOPPED, budget_error, gib_text
+from .planning.plan import Plan, PlanOptions, REFIT_MARGIN, Refit, refit_budget, refit_reason
 from .planning.report import RunStats, plan_to_json, plan_to_text
 from .model.tensors import fmt_bytes, max_abs_diff
 from .figures.trace import MEASURED, TRACED, TraceResult, trace_units, tracing
@@ -81,6 +81,10 @@ class EngineConfig:
     # device, ``device``, under ``budget_bytes``. Non-empty: ``device`` is the home device (inputs
     # arrive and the output returns there) and one of them; ``budget_bytes`` is their sum
     devices: tuple[tuple[str, int], ...] = ()
+    # host memory the pack may hold for this module's weights (``tiers``): flat masters, the bounce
+    # buffer; what does not fit is read from its file each call. None: no RAM budget (every
+    # streamed unit has its master in RAM, as before)
+    ram_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
@@ -94,6 +98,11 @@ class EngineConfig:
                 raise ValueError(f"{f} must be a positive number or None, got {v!r}")
         if self.devices:
             _check_devices(self)
+        r = self.ram_budget_bytes
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r <= 0):
+            raise ValueError(f"ram_budget_bytes must be a positive int or None, got {r!r}")
+        if r is not None and len(self.devices) > 1:
+            raise ValueError("ram_budget_bytes: a RAM budget is planned for one device only, not yet for several")
 
     @property
     def options(self) -> PlanOptions:
@@ -183,6 +192,7 @@ class Engine:
         self.device_stats: dict[str, RunStats] = {}   # per device, the forwards that ran a placement
         self.last_device_stats: dict[str, RunStats] = {}
         self.planner.block_bytes = self.executor.memory.block_bytes
+        self.planner.host = self.executor.masters.tiers
         self._plans: dict[tuple, Plan] = {}
         self._joined: dict[tuple, frozenset] = {}   # signature -> the signatures sharing its plan
         self._failed: dict[tuple, BudgetError] = {}
@@ -285,24 +295,28 @@ class Engine:
                         fmt_bytes(e.activation_bytes))
         return (*self._measure(fn, args, kwargs), TRACED)
 
-    def _trace(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict, keep_failure: bool = True) -> TraceResult:
-        """The dry run's profile of ``sig``, cached (a failure only with ``keep_failure``)."""
+    def _trace(self, sig: tuple, fn: Callable, args: tuple, kwargs: dict, keep_failure: bool = True,
+               on_loaded: Callable | None = None) -> TraceResult:
+        """The dry run's profile of ``sig``, cached (a failure only with ``keep_failure``). The
+        call's ``on_loaded`` hook (the executor's, in a run) runs in it, on the fakes."""
         tr = self.traces.get(sig)
         if tr is None:
             for ex in self.executors:
                 ex.restore_weights()  # the dry run swaps the registries the held copies use
-            tr = trace_units(self.module, self.unitset.units, fn, args, kwargs)
+            tr = trace_units(self.module, self.unitset.units, fn, args, kwargs,
+                             on_loaded=on_loaded or self.executor.on_loaded)
             if tr.measurements is not None or keep_failure:
                 self.traces[sig] = tr
         return tr
 
-    def preview_as(self, sig: tuple, fn: Callable, *args, **kwargs) -> Plan:
+    def preview_as(self, sig: tuple, fn: Callable, *args, on_loaded: Callable | None = None, **kwargs) -> Plan:
         """The plan the first forward of ``fn(*args, **kwargs)`` (input signature ``sig``) would
         run, from the dry run alone: no weight copied, no real forward. A budget too small is a
         ``BudgetError``, a forward the dry run cannot run a ``TraceUnavailable``; neither is
-        remembered. Only the traced profile stays, cached as the first forward would cache it."""
+        remembered. Only the traced profile stays, cached as the first forward would cache it
+        (``on_loaded``: the hook the run will call, as ``run`` takes it)."""
         self.revalidate()
-        tr = self._trace(sig, fn, args, kwargs, keep_failure=False)
+        tr = self._trace(sig, fn, args, kwargs, keep_failure=False, on_loaded=on_loaded)
         if tr.measurements is None:
             raise TraceUnavailable(tr.reason or "the dry run gave no figures")
         if self.group is not None:  # the placement, drawn as one plan

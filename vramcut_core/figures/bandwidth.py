@@ -6,6 +6,10 @@ measured here, once per device (pinned host memory to the GPU; on CPU, a plain m
 is what the CPU executor does), and kept in memory and in a small JSON file so the next process
 does not measure again.
 
+``disk_read(path)`` measures the read rate of the disk a weights file is on, cold (its pages
+dropped first) and from the page cache, once per disk, cached the same way: the host tiers plan
+reads from disk by it.
+
 Beside it, ``matmul_throughput(device, dtype)`` measures floating-point operations per second of
 a square matrix product on the device in that dtype (on CPU, the CPU's), once per device and
 dtype: with the dry run's per-unit FLOP counts it gives each unit's compute time before any run.
@@ -29,6 +33,7 @@ import json
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -163,6 +168,29 @@ def probe_bytes(max_bytes: int | None, full: int = PROBE_BYTES) -> int:
         return full
     n = max_bytes - max_bytes % LARGE_ROUND
     return n if n >= MIN_PROBE_BYTES else 0
+
+
+def _figure(key: str, field: str, about: dict, measure_now: Callable[[], float], probe: dict) -> dict:
+    """``{field, **about, "source"}`` for ``key``: from memory, the cache file, or ``measure_now()``
+    (then written to the cache with ``probe``, what was measured); ``source`` says which, and
+    ``field`` is None when it could not be measured."""
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
+        cached = _read_cache().get(key)
+        if isinstance(cached, dict) and isinstance(cached.get(field), (int, float)) and cached[field] > 0:
+            entry = {field: float(cached[field]), **about, "source": "cache"}
+        else:
+            try:
+                value = measure_now()
+                entry = {field: value, **about, "source": "measured"}
+                _write_cache(key, {field: value, **probe,
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            except Exception:  # no memory for the probe, a device that went away, a dtype it cannot
+                entry = {field: None, **about, "source": "unmeasurable"}   # multiply: no estimate
+        _memo[key] = entry
+        return dict(entry)
 
 
 def host_to_device(device, max_bytes: int | None = None) -> dict:
@@ -304,6 +332,69 @@ def matmul_throughput(device, dtype=torch.float32, max_bytes: int | None = None)
                 entry = {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": "unmeasurable"}
         _memo[key] = entry
         return dict(entry)
+
+
+def disk_key(path: str) -> str:
+    """A name for the disk ``path`` is on: its block device (``disk:MAJOR:MINOR``)."""
+    st = os.stat(path)
+    return f"disk:{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def measure_disk(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(cold, page cache) bytes per second of ``os.preadv`` reads of ``nbytes`` from the middle of
+    ``path``: cold after ``posix_fadvise(DONTNEED)`` drops the range's pages (pages some process
+    maps stay: a figure from a file in use may be nearer the page cache's), then the same range
+    again from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        n = int(nbytes)
+        if size < n:  # a small file's read is all latency: no figure for the disk
+            raise OSError(f"{path} is smaller than the probe ({size} < {n} bytes)")
+        off = (size - n) // 2 // 4096 * 4096
+        buf = bytearray(min(n, 16 * MIB))
+        mv = memoryview(buf)
+
+        def read() -> float:
+            t0 = time.perf_counter()
+            done = 0
+            while done < n:
+                k = os.preadv(fd, [mv[:min(len(buf), n - done)]], off + done)
+                if k <= 0:
+                    break
+                done += k
+            return max(done, 1) / max(time.perf_counter() - t0, 1e-9)
+
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+        cold = read()
+        cached = max(read(), read())
+        return cold, cached
+    finally:
+        os.close(fd)
+
+
+def disk_read(path: str) -> dict:
+    """``{"cold_bytes_per_s", "cached_bytes_per_s", "device", "source"}`` for reads from the disk
+    ``path`` is on: from memory, the cache file, or measured now on ``path`` (as
+    ``host_to_device``; the two rates are kept as ``disk:MAJOR:MINOR:cold`` and ``:cached``).
+    The rates are None when they could not be measured."""
+    try:
+        key = disk_key(path)
+    except OSError:
+        return {"cold_bytes_per_s": None, "cached_bytes_per_s": None, "device": None, "source": "unmeasurable"}
+    both: dict = {}
+
+    def rates() -> tuple[float, float]:
+        if "r" not in both:
+            both["r"] = measure_disk(path)
+        return both["r"]
+
+    probe = {"probe_bytes": PROBE_BYTES}
+    cold = _figure(key + ":cold", "bytes_per_s", {"device": key}, lambda: rates()[0], probe)
+    warm = _figure(key + ":cached", "bytes_per_s", {"device": key}, lambda: rates()[1], probe)
+    return {"cold_bytes_per_s": cold["bytes_per_s"], "cached_bytes_per_s": warm["bytes_per_s"], "device": key,
+            "source": cold["source"]}
 
 
 def forget() -> None:

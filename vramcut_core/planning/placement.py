@@ -18,16 +18,15 @@ taken as hidden only behind its own compute), then the most units on the devices
 (exact, by dynamic programming over the cut points). One device gives exactly ``plan.make_plan``'s
 plan (the finer cut included). A set of budgets too small in total is refused with a
 ``BudgetError`` of its own (``devices_error``): the budgets given, and the smallest budgets that
-work in the same proportions, per device and in all, in ``max_vram_gb``'s GiB (``plan.gib_text``).
+work in the same proportions, per device and in all, in ``max_vram_gb``'s GiB (``budget.gib_text``).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Sequence
 
-from .plan import (WEIGHTS_ALONE, BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan, gib_text,
-                   make_plan)
-from .plan import gib_to_bytes
+from .budget import BudgetError, WEIGHTS_ALONE, gib_text, gib_to_bytes
+from .plan import Plan, PlanOptions, PlanUnit, _Infeasible, build_plan, make_plan
 from .timeline import known, predict
 
 
@@ -83,7 +82,7 @@ def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: b
     to the caller). Raises ValueError with the entry at fault."""
     import re
 
-    from .plan import gib_to_bytes
+    from .budget import gib_to_bytes
 
     out: list[tuple[str, int | None]] = []
     if not text or not text.strip():
@@ -202,7 +201,7 @@ def _refusal(units, devices, options) -> BudgetError:
 def devices_error(devices: Sequence[tuple[str, int]], suggestion: Sequence[tuple[str, int]] | None, *,
                   exact: bool, bound: str = WEIGHTS_ALONE) -> BudgetError:
     """The one place the text of a refused placement is written: the budgets given and the
-    smallest that work in the same proportions, per device and in all (``plan.gib_text``: rounded
+    smallest that work in the same proportions, per device and in all (``budget.gib_text``: rounded
     up at ``max_vram_gb``'s precision, each of them places); "at least" with ``bound`` when the
     activations were not measured. ``min_budget_bytes`` is the suggestion's total, and
     ``device_budgets`` the suggestion itself."""

@@ -24,10 +24,11 @@ from typing import Callable
 from torch import nn
 
 from ..model import quant
-from . import residency, timeline
+from . import residency, tiers, timeline
 from ..figures import speed
 from ..figures.meters import UnitMeasurement
-from .plan import BudgetError, Plan, PlanOptions, PlanTime, PlanUnit, budget_error, make_plan, measuring_plan
+from .budget import BudgetError, budget_error
+from .plan import Plan, PlanOptions, PlanTime, PlanUnit, make_plan, measuring_plan
 from ..model.tensors import is_plain_tensor
 from ..model.units import Unit, UnitSet, find_units, split_unit
 
@@ -43,6 +44,7 @@ class UnitPlanner:
         self.plan_budget: int | None = None
         self.unitset: UnitSet = find_units(module, config.family)
         self.figures = speed.Figures(module)
+        self.host = None              # the executor's ``HostTiers`` (host bytes of a unit, the disk's rate)
         self.all: dict[str, Unit] = {}
         self.parent: dict[str, str] = {}
         self._reset()
@@ -94,6 +96,9 @@ class UnitPlanner:
         parts = split_unit(self.all[name])
         if not parts:
             return None
+        for p in parts:   # known before anything asks for a part's bytes
+            self.all[p.name] = p
+            self.parent.setdefault(p.name, name)
         if seconds is not None and name in seconds:
             # the parts share the unit's compute time by their weight bytes (nothing timed them)
             total = sum(self.unit_bytes(p.name) for p in parts) or 1
@@ -101,14 +106,14 @@ class UnitPlanner:
                 seconds[p.name] = seconds[name] * self.unit_bytes(p.name) / total
         parent = meas.get(name) if meas else None
         for p in parts:
-            self.all[p.name] = p
-            self.parent.setdefault(p.name, name)
             if meas is None or parent is None:
                 continue
-            # A part needs at most what the whole unit needed, and it ran only if one of its
-            # modules did (a VAE decode runs one convolution of a unit that holds the encoder).
+            # A part needs at most what the whole unit needed (with the host's merge at the part's
+            # own entry: ``part_peak_bytes``), and it ran only if one of its modules did (a VAE
+            # decode runs one convolution of a unit that holds the encoder).
             if p.keep_resident or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
-                meas[p.name] = parent
+                meas[p.name] = parent if parent.part_peak_bytes is None else dataclasses.replace(
+                    parent, peak_bytes=max(parent.peak_bytes, parent.part_peak_bytes))
         return [self.plan_unit(p, meas, seconds=seconds) for p in parts]
 
     def plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, keep_resident: bool = False,
@@ -129,8 +134,8 @@ class UnitPlanner:
     def weight_plan(self, options: PlanOptions | None = None) -> Plan:
         """The plan from weights alone (structural order, activations not measured)."""
         units = [self.plan_unit(u, None) for u in self.unitset.units]
-        return make_plan(units, self.config.budget_bytes, options or self.options,
-                         lambda n: self.split(n, None), self.unitset.warnings)
+        return self.tiered(make_plan(units, self.config.budget_bytes, options or self.options,
+                                     lambda n: self.split(n, None), self.unitset.warnings))
 
     def measuring_plan(self, cap: int) -> Plan:
         """The plan of the measured forward: one slot, nothing resident but what must be, every
@@ -156,7 +161,7 @@ class UnitPlanner:
                                detail="it must stay resident")
         slot = max((u.weight_bytes for u in units if not u.keep_resident and u.weight_bytes <= budget - required),
                    default=0)
-        return measuring_plan(units, budget, slot, split, self.unitset.warnings)
+        return self.tiered(measuring_plan(units, budget, slot, split, self.unitset.warnings))
 
     def top(self, name: str) -> str:
         while name in self.parent:
@@ -207,10 +212,21 @@ class UnitPlanner:
         low = self.plan_budget
         if low is not None and low < self.config.budget_bytes:
             try:
-                return self._measured_plan(meas, source, measured, low)
+                return self.tiered(self._measured_plan(meas, source, measured, low))
             except BudgetError:
                 pass  # the margin does not fit: the whole budget
-        return self._measured_plan(meas, source, measured, self.config.budget_bytes)
+        return self.tiered(self._measured_plan(meas, source, measured, self.config.budget_bytes))
+
+    def tiered(self, plan: Plan) -> Plan:
+        """``plan`` with each unit's host tier under the config's RAM budget (``tiers.choose``; a
+        budget below what one call needs is a ``tiers.RamBudgetError``); unchanged without one."""
+        budget = self.config.ram_budget_bytes
+        if budget is None or self.host is None:
+            return plan
+        host = {u.name: self.host.host_unit(u.name) for u in plan.units}
+        bounce = self.host.bounce_bytes(host)
+        return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce,
+                                                          self.host.disk_rate(list(host))))
 
     def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str,
                        measured: dict[str, float] | None, budget: int) -> Plan:
