@@ -383,3 +383,27 @@ def test_out_of_memory_in_a_held_forward_says_where_it_can():
                 eng.run(model, x)
             h.remove()
             assert_unchanged(model, snap)
+
+
+def test_a_call_counts_the_copies_it_reads_not_those_it_made_for_a_next_call():
+    """The schedule copies the next call's first groups while a call ends (two slots, in a
+    session). Those copies count in the call that reads them: every steady call, in a session of
+    one call (a VAE decode) or of many (sampling), streams what its plan says per call, and a
+    session's last copies for a call that never comes count nowhere."""
+    model = seeded(TransformerStack(d=32, depth=8))
+    x = ids()
+    budget = budget_for(model, x, share=0.3)
+    eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu"))
+    with torch.no_grad():
+        with eng.session():
+            eng.run(model, x)            # the measuring call
+        plan = eng.last_plan
+        assert plan.slots == 2 and len(plan.streamed_groups) >= 3, "the case needs the wrap-around"
+        per_call = []
+        for calls in (1, 1, 3):
+            with eng.session():
+                for _ in range(calls):
+                    eng.run(model, x)
+                    per_call.append((eng.last_stats.copies, eng.last_stats.bytes_streamed))
+    assert eng.last_plan is plan
+    assert per_call == [(plan.transfers_per_forward, plan.streamed_bytes_per_forward)] * 5, per_call

@@ -151,6 +151,7 @@ class SegmentedExecutor:
         self._running = True
         stats = RunStats(forwards=1)
         self.transfers.stats = stats
+        self.transfers.take_ahead(stats)
         ok = False
         t0 = time.perf_counter()
         start_ev = None
@@ -235,6 +236,7 @@ class SegmentedExecutor:
         if self._running:
             raise RuntimeError("cannot release while a forward runs")
         self.transfers.drain()
+        self.transfers.drop_ahead()
         self.hooks.remove()
         self.binding.drop_held()
         self.binding.restore_all()
@@ -299,15 +301,22 @@ class SegmentedExecutor:
                 and mem.group_bytes(groups[0]) <= plan.slot_bytes):  # a measuring slot may not hold it
             self._load_into_slot(groups[0], mem.slots[0], sync=not self.cuda)
 
-    def _load_into_slot(self, group: tuple[str, ...], slot: Slot, sync: bool, swap: bool = True) -> None:
-        """Copy a streamed group into a slot as one transfer (see ``Transfers.into_slot``)."""
+    def _load_into_slot(self, group: tuple[str, ...], slot: Slot, sync: bool, swap: bool = True,
+                        ahead: bool = False) -> None:
+        """Copy a streamed group into a slot as one transfer (see ``Transfers.into_slot``);
+        ``ahead``: for the next call, which counts it."""
         self.memory.check_fits(group, slot, self.measuring.act_seen, self._plan.budget_bytes if self._plan else 0)
-        self.transfers.into_slot(group, slot, sync, swap)
+        tr = self.transfers
+        tr.ahead = ahead
+        try:
+            tr.into_slot(group, slot, sync, swap)
+        finally:
+            tr.ahead = False
 
     def _prefetch_first(self, plan: Plan) -> None:  # wrap around: the next forward's first group
         g, mem = plan.streamed_groups, self.memory  # (tensors stay on their masters until it starts)
         if g and mem.slot_of(g[0][0]) is None and len(mem.slots) >= 2:
-            self._load_into_slot(g[0], mem.other_slot(self._last_streamed), sync=False, swap=False)
+            self._load_into_slot(g[0], mem.other_slot(self._last_streamed), sync=False, swap=False, ahead=True)
 
     def _enter(self, name: str, module: nn.Module | None = None) -> None:
         if not self._running:
@@ -336,7 +345,8 @@ class SegmentedExecutor:
         nxt = tr.next.get(name)
         if (nxt is not None and len(mem.slots) >= 2 and mem.slot_of(nxt[0]) is None
                 and (self._holding or name not in tr.schedule.ahead)):  # (released unread after the call)
-            self._load_into_slot(nxt, mem.other_slot(self._last_streamed), sync=not self.cuda)
+            self._load_into_slot(nxt, mem.other_slot(self._last_streamed), sync=not self.cuda,
+                                 ahead=name in tr.schedule.ahead)
         self.measuring.entered(name)
 
     def _close_group(self, entering: str | None = None) -> None:
@@ -356,7 +366,8 @@ class SegmentedExecutor:
                 or not (self._holding or slot.group not in tr.schedule.ahead)):  # (released unread after the call)
             return
         # (at the call's end the tensors stay on their masters until the next call enters it)
-        self._load_into_slot(nxt, slot, sync=not self.cuda, swap=entering is not None)
+        self._load_into_slot(nxt, slot, sync=not self.cuda, swap=entering is not None,
+                             ahead=entering is None or slot.group in tr.schedule.ahead)
 
     def _unhooked(self) -> set[str]:
         """The units a steady forward does not hook: resident ones, but those whose entry ends a

@@ -53,6 +53,11 @@ class Transfers:
         self.waits: list[tuple[object, object]] = []    # CUDA (start, end) of compute waiting
         self.timing: list[tuple[object, object]] = []   # CUDA (start, end) of forwards not yet timed
         self.stats = None                               # the running forward's RunStats
+        # copies issued for the next call (the schedule's ``ahead``): counted in the call that
+        # reads them (``take_ahead``), never in the call that happened to issue them; dropped
+        # unread when the session ends (a one-call session streams what its plan says)
+        self.ahead = False
+        self.ahead_stats = None
         self._staged_bytes = 0                          # page-locked staging of the transfer being issued
         # Other streams that read the weights while they are swapped in (the host's offload
         # streams, ``HostHooks.reader_streams``): each waits on the same copy events as the
@@ -64,6 +69,24 @@ class Transfers:
         # Collected without release (an interrupted run, an engine replaced): the device buffers
         # this executor's copies write go with it.
         weakref.finalize(self, _drain_cuda, self.copy_stream)
+
+    def _counted(self):
+        """The stats a copy issued now counts in: the running call's, or the next call's."""
+        if not self.ahead:
+            return self.stats
+        if self.ahead_stats is None:
+            self.ahead_stats = type(self.stats)() if self.stats is not None else None
+        return self.ahead_stats
+
+    def take_ahead(self, stats) -> None:
+        """The copies issued for this call during the one before count in this call."""
+        if self.ahead_stats is not None and stats is not None:
+            stats.add(self.ahead_stats)
+        self.ahead_stats = None
+
+    def drop_ahead(self) -> None:
+        """The session ended: the copies made for a call that never came count nowhere."""
+        self.ahead_stats = None
 
     def use_plan(self, plan: Plan) -> None:
         """Copies from now on follow ``plan``'s schedule (``schedule.schedule_of``)."""
@@ -139,7 +162,7 @@ class Transfers:
         other = sum(mem.layout(n).other_bytes for n in names)
         if other:
             mem.account(other)
-        st = self.stats
+        st = self._counted()
         if st is not None and any(n not in mem.resident_names for n in names):
             st.copies += 1
             st.bytes_streamed += sum(mem.unit_bytes(n) for n in names if n not in mem.resident_names)
@@ -270,7 +293,7 @@ class Transfers:
         copy: ``BounceBuffer.take``). Without a page-locked bounce buffer each piece is read into
         pageable memory and copied synchronously, on purpose."""
         pool = disk.reader()
-        st = self.stats
+        st = self._counted()
         if not self.cuda:
             got = pool.submit(disk.read_into, buf[base:base + nbytes], reads).result()
             if st is not None:
