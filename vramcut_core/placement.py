@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from .plan import (WEIGHTS_ALONE, BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan, gib_text,
-                   make_plan)
+from .plan import (REFIT_MARGIN, WEIGHTS_ALONE, BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan,
+                   gib_text, make_plan, refit_reason)
 from .plan import gib_to_bytes
 from .timeline import known, predict
 
@@ -71,6 +71,26 @@ class Placement:
     @property
     def used(self) -> tuple[DevicePlan, ...]:
         return tuple(d for d in self.devices if d.plan is not None)
+
+
+def refit_reasons(placement: Placement, budgets: dict[str, int]) -> list[str]:
+    """Why ``placement`` must be made again for new ``budgets`` (device -> bytes), one line per
+    device whose part no longer holds (``plan.refit_reason``; a device given nothing: its budget
+    grew past the margin while something streams); empty when every part still holds. One device
+    is a placement of one (its line names no device)."""
+    many = len(placement.devices) > 1
+    whys = []
+    for d in placement.devices:
+        new = budgets[d.device] if many or d.device in budgets else next(iter(budgets.values()))
+        if d.plan is not None:
+            why = refit_reason(d.plan, new)
+        elif new > d.budget_bytes * (1 + REFIT_MARGIN) and placement.host_bytes_per_forward:
+            why = f"the budget grew to {gib_text(new)} GiB"
+        else:
+            why = None
+        if why:
+            whys.append(f"{d.device}: {why}" if many else why)
+    return whys
 
 
 def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: bool = False
