@@ -46,7 +46,7 @@ from .devices import SeveralDevices
 from .executor import SegmentedExecutor
 from .measure import describe_signature, signature, verify_unpatched
 from .one_device import OneDevice, oom_message
-from .placement import Placement, refit_reasons
+from .placement import Placement, in_devices_form, refit_reasons
 from .plan import BudgetError, Plan, PlanOptions, Refit, refit_budget
 from .report import RunStats, plan_to_json, plan_to_text
 from .shape import AGAIN, NEW, PLANNED, REFUSED, STEADY, TO_PLACE, TRACED, Shape, Shapes
@@ -77,10 +77,8 @@ class Engine:
                                      page_lock_room=host.page_lock_room)
 
         # more than one device: one executor per device (the home one answers for the engine)
-        if len(config.devices) > 1:
-            self.side = SeveralDevices(make, self.planner, config)
-        else:
-            self.side = OneDevice(make(config.device), self.planner)
+        self.side = (SeveralDevices(make, self.planner, config) if len(config.devices) > 1
+                     else OneDevice(make(config.device), self.planner))
         self.executor = self.side.executor
         self.executors = self.side.executors
         self.group = self.side.group
@@ -88,9 +86,8 @@ class Engine:
         self.shapes = Shapes(self.planner.top)
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
-        self.stats = RunStats()
         self.last_stats: RunStats | None = None
-        self.steady_stats = RunStats()  # the forwards that ran a plan (not the measuring ones)
+        self.stats, self.steady_stats = RunStats(), RunStats()  # steady: the forwards that ran a plan
         self.verify_results: list[dict] = []
 
     # -- units (the planner owns them) ------------------------------------------------------
@@ -109,7 +106,10 @@ class Engine:
 
     def weight_plan(self, options: PlanOptions | None = None) -> Plan:
         """The plan from weights alone (structural order, activations not measured)."""
-        return self.planner.weight_plan(options)
+        try:
+            return self.planner.weight_plan(options)
+        except BudgetError as e:
+            raise in_devices_form(e, self.config.devices) from None
 
     def revalidate(self) -> None:
         """Find the units again if the module's tensors were replaced from outside (a host that
@@ -180,8 +180,7 @@ class Engine:
             try:
                 self.side.place(s, fn, args, kwargs)
             except BudgetError as e:
-                s.refuse(e)
-                raise
+                raise self._refuse(s, e) from None
         last = self._shape(self.last_signature)
         last = last if last is not None and last.plan is not None and last.plan is self.last_plan else None
         out, stats, over = self._guard(lambda f, a, k: self.side.steady(s, last, self.shapes, self._notify, f, a, k),
@@ -202,8 +201,7 @@ class Engine:
         try:
             out, stats = self._guard(lambda f, a, k: self.side.first(s, tr, f, a, k), fn, args, kwargs)
         except BudgetError as e:
-            s.refuse(e)  # the same input will not fit next time either
-            raise
+            raise self._refuse(s, e) from None
         except BaseException:
             s.abort()
             raise
@@ -212,6 +210,12 @@ class Engine:
         self._record(s.plan, s.sig, stats)
         self._notify(s.plan, s.sig)
         return out
+
+    def _refuse(self, s: Shape, e: BudgetError) -> BudgetError:
+        """Refuse ``s`` (the same input will not fit next time either); with devices the error
+        names each device's own smallest budget (``placement.in_devices_form``)."""
+        s.refuse(e := in_devices_form(e, self.config.devices))
+        return e
 
     def _over(self, s: Shape, over: list[tuple[str, int, int]]) -> None:
         """A steady forward passed a device's budget: measure the next forward again and plan
@@ -244,9 +248,11 @@ class Engine:
         tr = self._trace(s, fn, args, kwargs, keep_failure=False)
         if tr.measurements is None:
             raise TraceUnavailable(tr.reason or "the dry run gave no figures")
-        if s.trace is not None:
-            self.shapes.setdefault(sig, s)
-        return self.side.preview(dict(tr.measurements))
+        self.shapes.setdefault(sig, s)
+        try:
+            return self.side.preview(dict(tr.measurements))
+        except BudgetError as e:
+            raise in_devices_form(e, self.config.devices) from None
 
     def _notify(self, plan: Plan, sig: tuple) -> None:
         if plan is not None and sig == self.last_signature:
@@ -272,16 +278,14 @@ class Engine:
     # -- budgets -----------------------------------------------------------------------------
 
     def set_budget(self, budget_bytes: int) -> None:
-        """A new budget for the one device (resolved late, from the device's free memory, maybe
-        before every step): a re-fit (see the module docstring)."""
+        """A new budget for the one device (free memory read again before a step): a re-fit."""
         if budget_bytes != self.config.budget_bytes:
             self._refit(((str(self.executor.device), budget_bytes),))
 
     def set_devices(self, devices: Sequence[tuple[str, int]]) -> None:
         """New budgets for the same devices (a ``free`` entry read again before a call): a re-fit
         (see the module docstring). Budgets too small for a measured shape refuse it then."""
-        devices = tuple((str(torch.device(d)), int(b)) for d, b in devices)
-        old = self.config.devices
+        devices, old = tuple((str(torch.device(d)), int(b)) for d, b in devices), self.config.devices
         if devices == old:
             return
         if [d for d, _ in devices] != [d for d, _ in old]:

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 from .plan import (REFIT_MARGIN, WEIGHTS_ALONE, BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan,
                    gib_text, make_plan, refit_reason)
-from .plan import gib_to_bytes
+from .plan import gib_given_text, gib_to_bytes
 from .timeline import known, predict
 
 
@@ -103,7 +103,7 @@ def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: b
     to the caller). Raises ValueError with the entry at fault."""
     import re
 
-    from .plan import gib_to_bytes
+    from .plan import gib_given_text, gib_to_bytes
 
     out: list[tuple[str, int | None]] = []
     if not text or not text.strip():
@@ -220,27 +220,56 @@ def _refusal(units, devices, options) -> BudgetError:
 
 
 def devices_error(devices: Sequence[tuple[str, int]], suggestion: Sequence[tuple[str, int]] | None, *,
-                  exact: bool, bound: str = WEIGHTS_ALONE) -> BudgetError:
-    """The one place the text of a refused placement is written: the budgets given and the
-    smallest that work in the same proportions, per device and in all (``plan.gib_text``: rounded
-    up at ``max_vram_gb``'s precision, each of them places); "at least" with ``bound`` when the
-    activations were not measured. ``min_budget_bytes`` is the suggestion's total, and
-    ``device_budgets`` the suggestion itself."""
-    given = ", ".join(f"{n}={gib_text(b)}" for n, b in devices)
+                  exact: bool, bound: str = WEIGHTS_ALONE, what: str | None = None) -> BudgetError:
+    """The one place the text of a refusal with devices is written: the budgets given (rounded
+    down: ``plan.gib_given_text``) and the smallest that work in the same proportions, per device
+    and in all, in the Devices node's form (``cuda:0=…, cuda:1=…``; ``plan.gib_text``: rounded up
+    at the widget's precision, each of them places), so that a budget given never reads as the
+    smallest; "at least" with ``bound`` when the activations were not measured. ``what``: what
+    does not fit, where a plan said it (``BudgetError.what``). ``min_budget_bytes`` is the suggestion's total,
+    and ``device_budgets`` the suggestion itself."""
+    given = ", ".join(f"{n}={gib_given_text(b)}" for n, b in devices)
     total = sum(b for _, b in devices)
-    msg = f"VRAM budgets {given} ({gib_text(total)} GiB in all) are too small: no placement of the units fits"
+    if len(devices) > 1:
+        msg = f"VRAM budgets {given} ({gib_given_text(total)} GiB in all) are too small"
+    else:
+        msg = f"VRAM budget {given} is too small"
+    msg += what if what is not None else ": no placement of the units fits"
     need = None
+    many = len(devices) > 1
     if suggestion is None:
         msg += " at any budgets in these proportions"
     else:
         need = sum(b for _, b in suggestion)
         per = ", ".join(f"{n}={gib_text(b)}" for n, b in suggestion)
-        in_all = f"{sum(float(gib_text(b)) for _, b in suggestion):.3f}"
-        if exact:
-            msg += f"; the smallest budgets that work for this shape, in the same proportions, are {per} ({in_all} GiB in all)"
+        in_all = f"{sum(float(gib_text(b)) for _, b in suggestion):.3f} GiB in all"
+        if exact and many:
+            msg += f"; the smallest budgets that work for this shape, in the same proportions, are {per} ({in_all})"
+        elif exact:
+            msg += f"; the smallest budget that works for this shape is {per}"
+        elif many:
+            msg += f"; in the same proportions the budgets must be at least {per} ({in_all}; {bound})"
         else:
-            msg += f"; in the same proportions the budgets must be at least {per} ({in_all} GiB in all; {bound})"
+            msg += f"; the budget must be at least {per} ({bound})"
     err = BudgetError("devices", need or total, total, kind="weights", message=msg)
     err.min_budget_bytes, err.exact = need, exact and need is not None
     err.device_budgets = tuple(suggestion) if suggestion is not None else None
     return err
+
+
+def in_devices_form(e: BudgetError, devices: Sequence[tuple[str, int]]) -> BudgetError:
+    """A refusal of an engine given devices, naming each device's own smallest budget in the
+    Devices node's form (never ``max_vram_gb``, the setting the devices replace): a placement's
+    refusal as it is; one device's plan refused with its smallest budget on that device; a plan
+    of the devices' budgets summed (the weights-only plan drawn before a run) in the devices'
+    proportions, at least that. An error that knows no budget that works stays as it is."""
+    if not devices or e.device_budgets is not None or e.min_budget_bytes is None:
+        return e
+    total = sum(b for _, b in devices)
+    need = e.min_budget_bytes
+    if len(devices) == 1:
+        sug = [(devices[0][0], need)]
+    else:   # the sum's minimum, in the same proportions: a lower bound for a placement
+        sug = [(n, gib_to_bytes(gib_text(max(1, -(-need * b // total))))) for n, b in devices]
+    exact = e.exact and len(devices) == 1
+    return devices_error(devices, sug, exact=exact, bound=e.bound, what=e.what)
