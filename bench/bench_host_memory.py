@@ -183,7 +183,7 @@ def one_disk(scenario: str, pack_dir: str, depth: int, where: str) -> dict:
                         eng.run(dm, x, t, **kw)
                         eng.release()
                         out["streamed_units"] = len(eng.last_plan.streamed_order)
-                        out["pinned_bytes"] = core.executor.PAGE_LOCKED.bytes
+                        out["pinned_bytes"] = core.runtime.executor.PAGE_LOCKED.bytes
                         out["masters"] = len(eng.executor.masters.masters)
                         gc.collect()
                         out.update({f"run_{k}": v for k, v in rss_split().items()})

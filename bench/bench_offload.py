@@ -175,7 +175,7 @@ def fresh_copy(model):
 def plan_transfers(plan) -> int:
     """Transfers per forward from the report (``transfers_per_forward``, when the report has it),
     else counted from the plan: each streamed segment a forward enters is one copy per pass."""
-    from vramcut_core.report import plan_to_json
+    from vramcut_core.planning.report import plan_to_json
 
     pj = plan_to_json(plan)
     if "transfers_per_forward" in pj:
@@ -360,7 +360,7 @@ def child_dynamic(ref_path: str, size: str, dtype: str, repeat: int) -> dict:
 def build_model(size: str, dtype: str, dev, comfy=None):
     import torch
 
-    from vramcut_core.demo import build
+    from vramcut_core.cli.demo import build
 
     kw, tokens = MODELS[size]
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -418,7 +418,7 @@ def run(device: str, size: str, dtype: str, repeat: int, host: bool = True) -> d
 
 
 def fmt(v, kind: str) -> str:
-    from vramcut_core.tensors import fmt_bytes
+    from vramcut_core.model.tensors import fmt_bytes
 
     if v is None:
         return "—"
@@ -434,7 +434,7 @@ def fmt(v, kind: str) -> str:
 
 
 def format_table(res: dict) -> str:
-    from vramcut_core.tensors import fmt_bytes
+    from vramcut_core.model.tensors import fmt_bytes
 
     cols = (("run", "run", ""), ("ms/forward", "time_s", "ms"), ("transfers", "transfers", ""),
             ("streamed", "bytes_streamed", "bytes"), ("peak alloc", "peak_allocated_bytes", "bytes"),

@@ -14,7 +14,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's engine
 
 from vramcut_core import PlanUnit, make_plan
-from vramcut_core.safetensors_plan import plan_units_from_header, read_header
+from vramcut_core.formats.safetensors_plan import plan_units_from_header, read_header
 
 MB = 1 << 20
 
@@ -47,7 +47,7 @@ def flux_like(doubles: int, singles: int) -> list[PlanUnit]:
 
 def _by_time() -> None:
     from vramcut_core import build_plan
-    from vramcut_core.residency import by_time, step_time
+    from vramcut_core.planning.residency import by_time, step_time
 
     bw = 25e9
     for doubles, singles in ((19, 38), (38, 76)):

@@ -59,10 +59,11 @@ def families():
 def measure(name: str, model, args, repeat: int) -> dict:
     import torch
 
-    from vramcut_core import Engine, EngineConfig, bandwidth
-    from vramcut_core.timeline import predict, with_compute_times
+    from vramcut_core import Engine, EngineConfig
+    from vramcut_core.figures import bandwidth
+    from vramcut_core.planning.timeline import predict, with_compute_times
 
-    from vramcut_core.plan import BudgetError
+    from vramcut_core.planning.plan import BudgetError
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     try:  # the smallest budget for this shape (activations included), as the node would ask for
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
     runs = []
     for _ in range(a.runs):  # each run measures the rates again (a fresh cache), then each family
         os.environ["VRAMCUT_CACHE_DIR"] = tempfile.mkdtemp(prefix="vramcut-rates-")  # measured now, here
-        from vramcut_core import bandwidth
+        from vramcut_core.figures import bandwidth
         bandwidth.forget()
         runs.append([measure(n, m, args, a.repeat) for n, (m, args) in fams.items()])
     text = lines(summary(runs), a.runs)

@@ -24,7 +24,7 @@ class the host registers (`comfy.supported_models.models`) and every LLM text en
 `comfy.text_encoders`, the sweep builds the host's own class small on CPU (tiny widths, one or
 two blocks per list), finds its cut units, and runs its forward plain and through the engine at a
 budget below its weights; "bit-identical, streamed" means the outputs were equal bit for bit and
-some weights were streamed. "registry" means a family entry of `vramcut_core/units.py` names the
+some weights were streamed. "registry" means a family entry of `vramcut_core/model/units.py` names the
 block lists in execution order; "generic fallback" means the long same-typed module lists were
 found by shape (the node shows a warning saying so). "not swept" rows give the reason; such a
 model still runs through the registry or the fallback, but its parity is not tested here.
@@ -34,7 +34,7 @@ Wan 2.2 14B's two experts are two diffusion models in ComfyUI (two loaders, two 
 step ranges): each is a `WanModel` with its own Max VRAM engine and plan.
 
 The last column holds the dry run against the meter on the same forward: for every unit, the
-activation peak traced on fake tensors (`vramcut_core/trace.py`, the figures a first forward is
+activation peak traced on fake tensors (`vramcut_core/figures/trace.py`, the figures a first forward is
 planned from) divided by the peak the CPU meter measured in the engine's first real forward (the
 figures the plan keeps), smallest and largest over the units, and the most bytes traced above
 measured. The sweep tests hold every unit to the bound `measured <= traced <= measured + max(1 %,

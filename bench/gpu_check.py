@@ -77,7 +77,8 @@ import gpu_compiler_check  # noqa: E402
 import gpu_detach_check  # noqa: E402
 import gpu_file_backed_check  # noqa: E402
 import toys  # noqa: E402
-from vramcut_core import Engine, EngineConfig, bandwidth, speed  # noqa: E402
+from vramcut_core import Engine, EngineConfig  # noqa: E402
+from vramcut_core.figures import bandwidth, speed  # noqa: E402
 from vramcut_core.runtime import host_memory as ex  # noqa: E402
 
 NOT = "not measured"

@@ -30,7 +30,7 @@ import checkpoint_headers as ch  # noqa: E402
 import docgen  # noqa: E402
 from test_cli import write_header_only  # noqa: E402
 from vramcut_core import PlanUnit, make_plan  # noqa: E402
-from vramcut_core.cli import main as cli  # noqa: E402
+from vramcut_core.cli.commands import main as cli  # noqa: E402
 
 MIB = 1 << 20
 DOC = os.path.join(ROOT, "docs", "planner.md")

@@ -127,9 +127,9 @@ def mib(n: int) -> str:
 def time_cells(units, budget: int, options, split_unit=None) -> list[str]:
     """Cells of one budget: for each link, the predicted call as many as fit and by time
     ("T s (R× resident)"), or one cell "refused (needs X)" for every column."""
-    from vramcut_core.plan import BudgetError, make_plan
-    from vramcut_core.residency import by_time
-    from vramcut_core.timeline import predict
+    from vramcut_core.planning.plan import BudgetError, make_plan
+    from vramcut_core.planning.residency import by_time
+    from vramcut_core.planning.timeline import predict
 
     resident = sum(u.compute_s for u in units if u.entered)
     try:
@@ -154,8 +154,8 @@ def time_rows(name: str, units, options, budgets=BUDGETS_GIB, split_unit=None) -
 
 def placement_rows(name: str, units, options, traced: bool, sizes=PAIRS_GIB, split_unit=None) -> list[str]:
     """For each size: one GPU of it, then two; host-link bytes, hops and hop bytes per call."""
-    from vramcut_core.placement import place
-    from vramcut_core.plan import BudgetError
+    from vramcut_core.planning.placement import place
+    from vramcut_core.planning.plan import BudgetError
 
     kind = "traced" if traced else "weights only"
     out = []
@@ -185,7 +185,7 @@ def dry_run(spec, inputs: dict | None = None):
 
     import full_size as fs
     import vramcut_core as core
-    from vramcut_core.plan import BudgetError
+    from vramcut_core.planning.plan import BudgetError
 
     if inputs is not None:
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -216,7 +216,7 @@ def total_flops(meas) -> int:
 
 def timed_units(units, meas, per_call_s: float, scale: float = 1.0):
     """``units`` with compute times: ``per_call_s * scale`` spread in proportion to FLOPs."""
-    from vramcut_core.timeline import with_compute_times
+    from vramcut_core.planning.timeline import with_compute_times
 
     flops = {n: (m.flops or 0) for n, m in meas.items()}
     return with_compute_times(units, flops, total_flops(meas) / (per_call_s * scale))
@@ -269,7 +269,7 @@ def document(time_part: list[str], notes: list[str], place_part: list[str], host
 def main(argv: list[str]) -> int:
     import docgen
     import full_size as fs
-    from vramcut_core.plan import PlanOptions
+    from vramcut_core.planning.plan import PlanOptions
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", help="one model (a substring of its name)")

@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from .plan import PlanOptions
-from .speed import SPEEDS
+from .figures.speed import SPEEDS
+from .planning.plan import PlanOptions
 
 VERIFY_ENV = "VRAMCUT_VERIFY"
 

@@ -20,20 +20,20 @@ ones that run (the runtime counts them again on every forward).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
-import logging
 
-from .measure import OverBudget, UnitMeasurement
+from .figures.meters import OverBudget, UnitMeasurement
+from .figures.trace import TRACED
+from .model.tensors import fmt_bytes
 from .one_device import DeviceSide
-from .placement import Placement, place
-from .plan import BudgetError, Plan, Segment
-from .report import RunStats
-from .tensors import fmt_bytes
-from .trace import TRACED
+from .planning.placement import Placement, place
+from .planning.plan import BudgetError, Plan, Segment
+from .planning.report import RunStats
 from .runtime import hops as hops_room
 from .runtime.hops import HOME, KEEP, Hops
 
@@ -68,7 +68,7 @@ def check_hops(module: nn.Module, placed: Sequence[tuple[object, torch.device]],
                fn: Callable, args: tuple, kwargs: dict) -> HopCheck:
     """Run ``fn`` on fake tensors with each unit's weights on its device and the inputs on the
     device they are on now (see the module docstring); the user's model is never changed."""
-    from .trace import _first_line
+    from .figures.trace import _first_line
 
     reasons: dict[str, str] = {}
     for rule in RULES:
@@ -95,7 +95,7 @@ def _mixes_devices(e: Exception) -> bool:
 def _fake_run(module, placed, home, fn, args, kwargs, rule) -> list[dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .trace import _active, _Call, _fake_weights, _keep_fakes_in_place, _ModuleState, _restore_weights
+    from .figures.trace import _active, _Call, _fake_weights, _keep_fakes_in_place, _ModuleState, _restore_weights
 
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     state = _ModuleState(module)
@@ -207,7 +207,7 @@ def combined_plan(placement: Placement, source: str | None, warnings: Sequence[s
 def placement_json(placement: Placement, hops: list[dict], measured_peaks: dict[str, int | None]) -> dict:
     """The plan JSON's "devices", "hops", "hop_bytes_per_call" and "hops_per_call" (the shape the
     node draws): one entry per device in the user's order."""
-    from .report import plan_to_json
+    from .planning.report import plan_to_json
 
     devs = []
     for d in placement.devices:

@@ -43,16 +43,16 @@ from torch import nn
 
 from .config import EngineConfig, HostHooks, TraceUnavailable
 from .devices import SeveralDevices
-from .executor import SegmentedExecutor
-from .measure import describe_signature, signature, verify_unpatched
+from .figures.meters import describe_signature, signature, verify_unpatched
+from .figures.trace import TraceResult, trace_units, tracing
+from .model.tensors import fmt_bytes
 from .one_device import OneDevice, oom_message
-from .placement import Placement, in_devices_form, refit_reasons
-from .plan import BudgetError, Plan, PlanOptions, Refit, refit_budget
-from .report import RunStats, plan_to_json, plan_to_text
+from .planning.placement import Placement, in_devices_form, refit_reasons
+from .planning.plan import BudgetError, Plan, PlanOptions, Refit, refit_budget
+from .planning.planner import UnitPlanner
+from .planning.report import RunStats, plan_to_json, plan_to_text
+from .runtime.executor import SegmentedExecutor
 from .shape import AGAIN, NEW, PLANNED, REFUSED, STEADY, TO_PLACE, TRACED, Shape, Shapes
-from .tensors import fmt_bytes
-from .trace import TraceResult, trace_units, tracing
-from .planner import UnitPlanner
 
 log = logging.getLogger("vramcut")
 

@@ -30,12 +30,12 @@ import dataclasses
 import logging
 from typing import Callable
 
-from . import speed
-from .measure import OverBudget, joint_measurements
-from .placement import DevicePlan, Placement
-from .plan import STOPPED, BudgetError, Plan, budget_error
-from .tensors import fmt_bytes
-from .trace import MEASURED, TRACED
+from .figures import speed
+from .figures.meters import OverBudget, joint_measurements
+from .figures.trace import MEASURED, TRACED
+from .model.tensors import fmt_bytes
+from .planning.placement import DevicePlan, Placement
+from .planning.plan import STOPPED, BudgetError, Plan, budget_error
 
 log = logging.getLogger("vramcut")
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .measure import UnitMeasurement
-from .speed import UnitTimes
+from .figures.meters import UnitMeasurement
+from .figures.speed import UnitTimes
 
 NEW = "new"                # nothing known yet
 TRACED = "traced"          # the dry run's profile is known (or why it could not run); nothing planned

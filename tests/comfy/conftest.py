@@ -74,6 +74,6 @@ def host_pins(comfy, pack, monkeypatch):
     monkeypatch.setattr(ledger, "room", None)
     monkeypatch.setattr(ledger, "bytes", 0)
     monkeypatch.setattr(ledger, "cap", -1)
-    monkeypatch.setattr(pack.vramcut_core.bandwidth, "host_to_device",
+    monkeypatch.setattr(pack.vramcut_core.figures.bandwidth, "host_to_device",
                         lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
     return mm

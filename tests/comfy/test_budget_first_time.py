@@ -30,7 +30,7 @@ def inference_mode():
 def forwards(monkeypatch, pack):
     """Counts the executor's forwards (a refusal before any transfer runs none): the pack's own
     executor class, as ComfyUI imports it."""
-    SegmentedExecutor = pack.vramcut_core.executor.SegmentedExecutor
+    SegmentedExecutor = pack.vramcut_core.runtime.executor.SegmentedExecutor
     calls = []
     orig = SegmentedExecutor.forward
 

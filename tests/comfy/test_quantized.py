@@ -36,7 +36,7 @@ def assert_same(module, snap):
 
 
 def _raw(t):
-    import vramcut_core.quant as q
+    import vramcut_core.model.quant as q
     ps = q.parts(t)
     return torch.cat([p.reshape(-1).view(torch.uint8) for p in ps]) if ps else t.reshape(-1).view(torch.uint8)
 
@@ -259,7 +259,7 @@ def quantized_params(model):
 
 def budget_for(model, share=0.45):
     from vramcut_core import find_units
-    from vramcut_core.executor import SegmentedExecutor
+    from vramcut_core.runtime.executor import SegmentedExecutor
     us = find_units(model.model.diffusion_model)
     ex = SegmentedExecutor(lambda n: next(u for u in us.units if u.name == n), "cpu")
     sizes = sorted((ex.unit_device_bytes(u.name) for u in us.units), reverse=True)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from vramcut_core import PlanUnit, RunStats, build_plan, plan_to_json
-from vramcut_core import bandwidth
-from vramcut_core.report import cost_to_json
+from vramcut_core.figures import bandwidth
+from vramcut_core.planning.report import cost_to_json
 
 MB = 1 << 20
 

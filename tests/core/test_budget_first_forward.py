@@ -13,7 +13,7 @@ from torch import nn
 from toys import MLPBlock, TransformerStack, assert_unchanged, seeded, snapshot
 from unit_checks import assert_peak_within_budget
 from vramcut_core import BudgetError, Engine, EngineConfig, PlanUnit, build_plan, find_units, make_plan
-from vramcut_core.units import split_unit
+from vramcut_core.model.units import split_unit
 
 
 def ids(b=2, n=12, vocab=50, seed=0):
@@ -36,7 +36,7 @@ def probe(model, fn, *args):
 def no_dry_run(monkeypatch):
     """The fallback path: the dry run reports that it could not run (as for a data-dependent op)."""
     from vramcut_core import engine
-    from vramcut_core.trace import TraceResult
+    from vramcut_core.figures.trace import TraceResult
 
     monkeypatch.setattr(engine, "trace_units", lambda *a, **k: TraceResult(None, reason="off in this test"))
 
@@ -187,7 +187,7 @@ class DownStack(nn.Module):
 
 
 def test_split_unit_descends_through_a_single_container_child():
-    from vramcut_core.units import TensorRef, Unit, UnitTensor
+    from vramcut_core.model.units import TensorRef, Unit, UnitTensor
 
     m = DownStack()
     down = m.down[2]

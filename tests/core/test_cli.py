@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vramcut_core.cli import main
-from vramcut_core.safetensors_plan import group_keys, plan_units_from_header, read_header
+from vramcut_core.cli.commands import main
+from vramcut_core.formats.safetensors_plan import group_keys, plan_units_from_header, read_header
 
 GIB = 1 << 30
 
@@ -141,7 +141,7 @@ def test_plan_cli_budget_too_small_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_demo_json_small_model():
-    from vramcut_core.demo import run_demo
+    from vramcut_core.cli.demo import run_demo
 
     r = run_demo(device="cpu", d=128, depth=6, heads=4, vocab=512, tokens=32)
     assert r["parity_max_abs_diff"] == 0

@@ -7,10 +7,10 @@ import pytest
 
 import checkpoint_headers as ch
 from test_cli import flux_like_entries, write_header_only
-from vramcut_core.cli import main
-from vramcut_core.plan import make_plan
-from vramcut_core.report import plan_to_text
-from vramcut_core.safetensors_plan import plan_units_from_header, read_header, split_components
+from vramcut_core.cli.commands import main
+from vramcut_core.planning.plan import make_plan
+from vramcut_core.planning.report import plan_to_text
+from vramcut_core.formats.safetensors_plan import plan_units_from_header, read_header, split_components
 
 GIB = 1 << 30
 CHECKPOINTS = {"sd15": ch.sd15_components, "sdxl": ch.sdxl_components}

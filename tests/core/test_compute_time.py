@@ -13,9 +13,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from toys import assert_unchanged, seeded, snapshot
-from vramcut_core import PlanUnit, bandwidth, find_units
-from vramcut_core.timeline import unit_seconds, with_compute_times
-from vramcut_core.trace import trace_units
+from vramcut_core import PlanUnit, find_units
+from vramcut_core.figures import bandwidth
+from vramcut_core.planning.timeline import unit_seconds, with_compute_times
+from vramcut_core.figures.trace import trace_units
 
 B, N, D, H = 2, 12, 32, 4  # batch, tokens, width, heads
 
@@ -158,8 +159,8 @@ def test_a_unit_cut_finer_keeps_its_parts_flops_summed():
     # planner.aggregate folds the parts of a finer cut back into the unit they were cut from: its
     # FLOPs are the parts' sum, and unknown when one part's count is not known
     from vramcut_core.engine import EngineConfig
-    from vramcut_core.measure import UnitMeasurement
-    from vramcut_core.planner import UnitPlanner
+    from vramcut_core.figures.meters import UnitMeasurement
+    from vramcut_core.planning.planner import UnitPlanner
 
     model = seeded(Stack(fused=False))
     planner = UnitPlanner(model, EngineConfig(budget_bytes=1 << 30, device="cpu"), unit_bytes=lambda n: 1)

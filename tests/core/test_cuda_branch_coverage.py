@@ -47,8 +47,8 @@ def test_cuda_only_lines(tmp_path):
 
 def test_the_executor_has_cuda_only_lines():
     root = os.path.join(HERE, "..", "..")
-    assert {"vramcut_core/executor.py", "vramcut_core/measure.py"} <= set(cbc.FILES)
+    assert {"vramcut_core/runtime/executor.py", "vramcut_core/figures/meters.py"} <= set(cbc.FILES)
     assert all(f.startswith("vramcut_core/") for f in cbc.FILES)
     assert sum(len(cbc.cuda_only_lines(os.path.join(root, f))) for f in cbc.FILES if "/runtime/" in f
                or f.endswith("executor.py")) > 50
-    assert len(cbc.cuda_only_lines(os.path.join(root, "vramcut_core", "measure.py"))) > 5
+    assert len(cbc.cuda_only_lines(os.path.join(root, "vramcut_core", "figures", "meters.py"))) > 5

@@ -16,7 +16,7 @@ import torch
 from sim_cuda import simulated_cuda
 from test_sim_multi_gpu import setup
 from vramcut_core import BudgetError, Engine, EngineConfig, gib_text, gib_to_bytes
-from vramcut_core.placement import devices_error
+from vramcut_core.planning.placement import devices_error
 
 FORM = re.compile(r"cuda:0=([0-9.]+), cuda:1=([0-9.]+)")
 

@@ -13,7 +13,7 @@ import torch
 from toys import TransformerStack, seeded
 from test_executor import ids
 from vramcut_core import Engine, EngineConfig, plan_to_json, plan_to_text
-from vramcut_core.timeline import predict
+from vramcut_core.planning.timeline import predict
 
 
 def build():

@@ -5,7 +5,7 @@ from torch import nn
 from toys import (Boom, BufferedStack, ExplodingStack, FluxLike, MixedDtypeStack, QuantStack, TiedStack,
                   TransformerStack, UNetLike, assert_unchanged, seeded, snapshot)
 from vramcut_core import BudgetError, Engine, EngineConfig, find_units
-from vramcut_core.tensors import tensor_nbytes
+from vramcut_core.model.tensors import tensor_nbytes
 from unit_checks import assert_peak_within_budget
 
 

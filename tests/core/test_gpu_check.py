@@ -13,7 +13,7 @@ def _timed(sim, monkeypatch):
     """The simulated accelerator's copies and kernels take time, and the engine plans with the
     same figures (as a GPU's cached bandwidth and throughput): its plans carry a prediction."""
     from sim_cuda import flop_seconds
-    from vramcut_core import bandwidth
+    from vramcut_core.figures import bandwidth
 
     sim.set_durations(copy_bytes_per_s=BPS, op_seconds=flop_seconds(FLOPS))
     monkeypatch.setattr(bandwidth, "cached_host_to_device", lambda device: BPS)
@@ -112,7 +112,8 @@ def test_a_check_without_a_prediction_says_why(monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_check
     from sim_cuda import simulated_cuda
-    from vramcut_core import Engine, EngineConfig, bandwidth
+    from vramcut_core import Engine, EngineConfig
+    from vramcut_core.figures import bandwidth
 
     monkeypatch.setattr(bandwidth, "cached_host_to_device", lambda device: None)
     with simulated_cuda(monkeypatch) as sim:

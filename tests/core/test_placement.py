@@ -1,4 +1,4 @@
-"""The plan across devices (vramcut_core.placement) and its command line: one device gives
+"""The plan across devices (vramcut_core.planning.placement) and its command line: one device gives
 exactly today's plan; two or four devices hold contiguous runs each within its budget, with the
 fewest host-link bytes, then hops; the hop carries the first unit's entry bytes; budgets too small
 in total are refused with budgets that work; the devices string is parsed strictly."""
@@ -10,9 +10,9 @@ import pytest
 
 from test_cli import flux_like_entries, write_header_only
 from vramcut_core import BudgetError, PlanOptions, PlanUnit, make_plan
-from vramcut_core.plan import gib_given_text, gib_text
-from vramcut_core.cli import main
-from vramcut_core.placement import parse_devices, place
+from vramcut_core.planning.plan import gib_given_text, gib_text
+from vramcut_core.cli.commands import main
+from vramcut_core.planning.placement import parse_devices, place
 
 MB = 1 << 20
 GIB = 1 << 30
@@ -157,7 +157,7 @@ def test_equal_bytes_and_hops_are_broken_by_the_predicted_step():
     # cutting after the second or the fourth unit streams the same bytes through one hop of the
     # same bytes; the cut after the second unit predicts the shorter step (summed per device)
     from vramcut_core import build_plan
-    from vramcut_core.timeline import predict
+    from vramcut_core.planning.timeline import predict
 
     units = [PlanUnit(f"u{i}", (100 if i % 2 == 0 else 200) * MB, 8 * MB, 4 * MB,
                       compute_s=0.001 if i % 2 == 0 else 0.020) for i in range(6)]

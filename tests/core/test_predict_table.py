@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import predict_table as pt  # noqa: E402
 from vramcut_core import PlanUnit  # noqa: E402
-from vramcut_core.plan import PlanOptions  # noqa: E402
+from vramcut_core.planning.plan import PlanOptions  # noqa: E402
 
 GB = 10**9
 

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from toys import QuantStack, assert_unchanged, snapshot
-from vramcut_core import Engine, EngineConfig, quant
-from vramcut_core.cli import main
-from vramcut_core.gguf_header import GGML_TYPES, read_gguf
-from vramcut_core.safetensors_plan import HeaderError, plan_units_from_header, read_header
+from vramcut_core import Engine, EngineConfig
+from vramcut_core.model import quant
+from vramcut_core.cli.commands import main
+from vramcut_core.formats.gguf_header import GGML_TYPES, read_gguf
+from vramcut_core.formats.safetensors_plan import HeaderError, plan_units_from_header, read_header
 
 
 def _blocks(n_blocks=4, d=256):

@@ -1,4 +1,4 @@
-"""Residency chosen by time (vramcut_core.residency): under the same budget never slower than the
+"""Residency chosen by time (vramcut_core.planning.residency): under the same budget never slower than the
 count-based plan under the timeline model (random instances), strictly faster on heterogeneous
 models (Flux-like double and single blocks, UNet stages, a video DiT at short clips), at the
 compute floor where copies hide (a video DiT at long clips), and the count-based plan unchanged
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vramcut_core import PlanOptions, PlanUnit, build_plan, make_plan
-from vramcut_core.residency import by_time, make_fastest_plan, step_time
+from vramcut_core.planning.residency import by_time, make_fastest_plan, step_time
 
 MB = 1 << 20
 GIB = 1 << 30
@@ -120,7 +120,7 @@ def test_time_chosen_is_never_slower_than_as_many_as_fit(rows, budget_mb, prefet
 @given(units_st, st.integers(50, 1200), st.sampled_from([True, False]), st.booleans(), st.integers(0, 511))
 def test_the_search_times_a_residency_as_predict_times_its_plan(rows, budget_mb, prefetch, overlap, mask):
     # the search's fast timing (no plan built) against the plan built and timed by timeline.predict
-    from vramcut_core.residency import _Search
+    from vramcut_core.planning.residency import _Search
 
     units = [PlanUnit(f"u{i}", w * MB, 4 * MB, 2 * MB, keep_resident=(p and i == 0), compute_s=c,
                       entered=(i % 4 != 3), calls=1 + (i % 5 == 2))
@@ -147,7 +147,7 @@ def _exhaustive(units, budget, bw):
     to all the room in eight steps: a search independent of the one under test."""
     from itertools import product
 
-    from vramcut_core.plan import plan_from_residency
+    from vramcut_core.planning.plan import plan_from_residency
 
     free = [i for i, u in enumerate(units) if not u.keep_resident]
     must = {i for i, u in enumerate(units) if u.keep_resident}

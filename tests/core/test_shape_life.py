@@ -21,7 +21,7 @@ from test_sim_multi_gpu import budgets
 from test_sim_replan import GrowingBlock, GrowingStack
 from toys import seeded
 from vramcut_core import BudgetError, Engine, EngineConfig, signature
-from vramcut_core.trace import tracing
+from vramcut_core.figures.trace import tracing
 from vramcut_core.shape import (AGAIN, NEW, PLANNED, REFUSED, STEADY, TO_PLACE, TRACED, InvalidTransition,
                                 Shape)
 

@@ -671,7 +671,7 @@ def test_weights_that_cannot_be_taken_apart_on_the_cuda_branch(sim):
         for blk in model.blocks:
             lin = blk.fc1 if hasattr(blk, "fc1") else next(m for m in blk.modules() if isinstance(m, nn.Linear))
             lin._parameters["weight"] = Wrapped(lin.weight.detach().clone())
-        from vramcut_core import quant
+        from vramcut_core.model import quant
         assert quant.parts(lin._parameters["weight"]) is None
         x = ids()
         ref = model(x)

@@ -259,7 +259,7 @@ def test_budgets_too_small_in_total_are_refused_before_anything_moves(sim2):
 
 def test_no_dry_run_refuses_naming_one_device(sim2, monkeypatch):
     import vramcut_core.engine as engine_mod
-    from vramcut_core.trace import TraceResult
+    from vramcut_core.figures.trace import TraceResult
 
     monkeypatch.setattr(engine_mod, "trace_units", lambda *a, **k: TraceResult(None, 0, "RuntimeError: no fakes"))
     model, args, _ = setup(sim2, "video")
@@ -303,9 +303,9 @@ def test_across_devices_residency_by_time_within_each_budget(sim2, family):
     device's plan carries its units' compute times and is ``residency.by_time``'s under its own
     budget (never slower under the model than the count-based plan of the same units); each
     device's reserved peak stays within its budget and the output is bit-equal."""
-    from vramcut_core.plan import make_plan
-    from vramcut_core.residency import by_time
-    from vramcut_core.timeline import predict
+    from vramcut_core.planning.plan import make_plan
+    from vramcut_core.planning.residency import by_time
+    from vramcut_core.planning.timeline import predict
 
     sim = sim2
     model, args, ref = setup(sim, family)

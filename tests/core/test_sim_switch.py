@@ -142,7 +142,7 @@ def test_an_engine_collected_with_a_copy_in_flight_waits_for_it(sim):
 
 
 def test_joint_measurements_take_the_most_of_each_unit_and_refuse_other_units():
-    from vramcut_core.measure import UnitMeasurement, joint_measurements
+    from vramcut_core.figures.meters import UnitMeasurement, joint_measurements
     a = {"x": UnitMeasurement(10, 50), "y": UnitMeasurement(20, 30, calls=2)}
     b = {"x": UnitMeasurement(12, 40), "y": UnitMeasurement(5, 90)}
     j = joint_measurements([a, b])

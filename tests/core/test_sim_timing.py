@@ -21,8 +21,8 @@ from sim_cuda import flop_seconds
 from test_sim_cuda import sim  # noqa: F401  (the fixture)
 from toys import seeded
 from vramcut_core import Engine, EngineConfig, plan_to_json, plan_to_text
-from vramcut_core.plan import refit_reason
-from vramcut_core.tensors import MIB
+from vramcut_core.planning.plan import refit_reason
+from vramcut_core.model.tensors import MIB
 
 D, N = 32, 16          # width, tokens
 FLOPS = 1e9            # the simulated device's throughput (FLOP/s)
@@ -169,7 +169,7 @@ def test_unit_times_are_read_without_waiting(sim):
 # -- the budget follows free memory ------------------------------------------------------------
 
 def test_refit_keeps_a_plan_that_still_fits_and_replans_past_the_margin():
-    from vramcut_core.plan import Plan, PlanUnit, build_plan
+    from vramcut_core.planning.plan import Plan, PlanUnit, build_plan
 
     units = [PlanUnit(f"b{i}", 100, 10, 5) for i in range(8)]
     plan = build_plan(units, 500)
@@ -255,7 +255,7 @@ def test_memory_taken_in_small_steps_replans_once(sim, caplog):
     one per step; the peak stays under every step's budget and the output is unchanged. Each small
     bite is just enough that a plan made for the budget before it, with no margin, would no longer
     fit (so without the margin every bite plans again)."""
-    from vramcut_core.plan import REFIT_DOWN_MARGIN
+    from vramcut_core.planning.plan import REFIT_DOWN_MARGIN
 
     sim.total_memory = 8 * MIB
     model, x, ref = build(sim, [Block(64, 1) for _ in range(64)])

@@ -1,4 +1,4 @@
-"""The timeline model (vramcut_core.timeline): steady step times and stalls checked against
+"""The timeline model (vramcut_core.planning.timeline): steady step times and stalls checked against
 timelines worked out by hand (the arithmetic in each test's comments), and a plan's prediction
 built from its segments."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vramcut_core import PlanUnit, build_plan
-from vramcut_core.timeline import Step, plan_steps, predict, simulate
+from vramcut_core.planning.timeline import Step, plan_steps, predict, simulate
 
 R = Step  # Step(compute) is resident; Step(compute, copy) is streamed
 

@@ -1,4 +1,4 @@
-"""The dry run (vramcut_core.trace): per-unit activation figures from fake tensors, compared with
+"""The dry run (vramcut_core.figures.trace): per-unit activation figures from fake tensors, compared with
 the CPU meter's measured forward unit by unit (temporaries inside one module included); the
 model untouched however the dry run ends; the fallback when a forward cannot be traced (the
 number is then a lower bound, "at least"); a budget too small refused before any forward with
@@ -16,9 +16,9 @@ from torch import nn
 from toys import (BufferedStack, ExplodingStack, FluxLike, MixedDtypeStack, QuantStack, TiedStack,
                   TransformerStack, UNetLike, assert_unchanged, seeded, snapshot)
 from vramcut_core import BudgetError, Engine, EngineConfig, PlanOptions, PlanUnit, gib_to_bytes, make_plan
-from vramcut_core.executor import SegmentedExecutor
-from vramcut_core.plan import gib_text, min_budget
-from vramcut_core.trace import MEASURED, TRACED, trace_units
+from vramcut_core.runtime.executor import SegmentedExecutor
+from vramcut_core.planning.plan import gib_text, min_budget
+from vramcut_core.figures.trace import MEASURED, TRACED, trace_units
 
 # Traced figures are an upper bound of the measured ones and at most this much above (the family
 # table compares them). On CPU both count the same storages, so they agree to the byte on these

@@ -6,7 +6,7 @@ from toys import (BufferedStack, FluxLike, MixedDtypeStack, QuantStack, TiedStac
                   UNetLike, seeded)
 from unit_checks import assert_partition
 from vramcut_core import find_units, split_unit
-from vramcut_core.tensors import tensor_nbytes
+from vramcut_core.model.tensors import tensor_nbytes
 
 
 class DiT(nn.Module):

@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import quant
-from ..tensors import is_plain_tensor
-from ..units import Unit
+from ..model import quant
+from ..model.tensors import is_plain_tensor
+from ..model.units import Unit
 from .device_memory import DeviceCopy
 from .layout import Layout
 

@@ -5,7 +5,7 @@ slot size, a streamed segment's units back to back in one), the subclass tensors
 them, the units' layouts, and the count of every byte it allocates (``bytes``, ``peak``). The one
 rule: nothing is allocated on the device but through ``alloc`` (counted), and nothing is freed
 that a copy may still write: callers order the copy stream first (``transfers``). May call torch,
-``layout``, ``units`` and ``measure``'s ``OverBudget``.
+``layout``, ``units`` and ``meters``' ``OverBudget``.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from ..measure import OverBudget
-from ..units import Unit
+from ..figures.meters import OverBudget
+from ..model.units import Unit
 from .layout import Layout, layout_of
 
 

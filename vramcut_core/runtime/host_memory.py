@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from .. import quant
-from ..units import Unit
+from ..model import quant
+from ..model.units import Unit
 from .layout import Layout, quant_views, view
 
 _HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every GPU, not only the current one

@@ -10,9 +10,9 @@ import dataclasses
 
 import torch
 
-from .. import quant
-from ..tensors import align_up, is_plain_tensor, tensor_nbytes
-from ..units import Unit
+from ..model import quant
+from ..model.tensors import align_up, is_plain_tensor, tensor_nbytes
+from ..model.units import Unit
 
 
 @dataclasses.dataclass
@@ -23,7 +23,7 @@ class Layout:
     other: list[int]                   # indices of tensors moved one by one (subclasses)
     nbytes: int                        # flat buffer size (aligned)
     other_bytes: int
-    # quantized subclasses taken apart (vramcut_core.quant): index -> [(offset, nbytes)] per part
+    # quantized subclasses taken apart (model.quant): index -> [(offset, nbytes)] per part
     quant: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 

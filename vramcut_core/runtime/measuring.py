@@ -2,11 +2,11 @@
 and each unit's compute time (``UnitClock``).
 
 Owns the per-forward measurement state only (the meters and the ``UnitRecorder`` that the dry
-run shares live in ``vramcut_core.measure``): the meter's readings at each unit's entry and
+run shares live in ``figures.meters``): the meter's readings at each unit's entry and
 exit, handed to the recorder, and, for a measuring forward with a limit, the check that stops it
 before weights plus activations pass the limit; on CUDA the allocator cap and the forward's
 device peak. The one rule: the executor's own buffers are never counted as activations. May
-call torch and ``measure``, and read ``device_memory``'s byte counts and its ``empty_cache``.
+call torch and ``meters``, and read ``device_memory``'s byte counts and its ``empty_cache``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from torch import nn
 
-from ..measure import CPUMeter, CUDAMeter, Meter, OverBudget, UnitMeasurement, UnitRecorder
+from ..figures.meters import CPUMeter, CUDAMeter, Meter, OverBudget, UnitMeasurement, UnitRecorder
 from .device_memory import DeviceMemory
 
 

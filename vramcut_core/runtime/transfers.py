@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from .. import quant
-from ..plan import Plan
+from ..model import quant
+from ..planning.plan import Plan
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
 from .host_memory import (PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size, masters_holding,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable
 
-from ..units import Unit
+from ..model.units import Unit
 
 
 class UnitHooks:

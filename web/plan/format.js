@@ -5,7 +5,7 @@
 // too small. One vocabulary (the README's): a block is where the model is cut, a part a piece of
 // a block cut finer, a segment blocks or parts kept or copied together, a copy one segment sent
 // to the device, a call one forward of the model; budgets and needs at the widget's three
-// decimals. Rule: every figure shown is one Python sent (plan.cost from vramcut_core/report.py
+// decimals. Rule: every figure shown is one Python sent (plan.cost from vramcut_core/planning/report.py
 // cost_to_json), only formatted here; pure functions, nothing done at import (ComfyUI also loads
 // this file on its own as an extension script).
 

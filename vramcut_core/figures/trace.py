@@ -34,10 +34,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from . import quant
-from .measure import UnitMeasurement, UnitRecorder, _PlainAlias
-from .tensors import is_plain_tensor
-from .units import Unit
+from ..model import quant
+from .meters import UnitMeasurement, UnitRecorder, _PlainAlias
+from ..model.tensors import is_plain_tensor
+from ..model.units import Unit
 
 TRACED = "traced"
 MEASURED = "measured"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .plan import BudgetError, PlanOptions, gib_to_bytes, make_plan
-from .report import dumps, plan_to_json, plan_to_text
+from ..planning.plan import BudgetError, PlanOptions, gib_to_bytes, make_plan
+from ..planning.report import dumps, plan_to_json, plan_to_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,15 +39,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(a) -> int:
-    from .safetensors_plan import read_header, split_components
+    from ..formats.safetensors_plan import read_header, split_components
 
-    from .gguf_header import is_gguf, read_gguf_header
+    from ..formats.gguf_header import is_gguf, read_gguf_header
 
     if (a.max_vram is None) == (a.devices is None):
         raise ValueError("give one of --max-vram GIB or --devices DEV=GIB,...")
     devices = None
     if a.devices is not None:
-        from .placement import parse_devices
+        from ..planning.placement import parse_devices
         devices = parse_devices(a.devices)  # "free" refused here: no device is queried
     budget = gib_to_bytes(a.max_vram) if devices is None else None
     header = read_gguf_header(a.model) if is_gguf(a.model) else read_header(a.model)
@@ -68,11 +68,11 @@ def _plan(a) -> int:
 
 def _place(a, header: dict, devices, opts: PlanOptions) -> int:
     """The model's header placed across ``devices``: a row per device, the hops between them."""
-    from .placement import place
-    from .safetensors_plan import plan_units_from_header
-    from .tensors import fmt_bytes
+    from ..planning.placement import place
+    from ..formats.safetensors_plan import plan_units_from_header
+    from ..model.tensors import fmt_bytes
 
-    from .safetensors_plan import split_components
+    from ..formats.safetensors_plan import split_components
 
     comps, _ = split_components(header)
     if len(comps) > 1:
@@ -116,7 +116,7 @@ def _kinds(header: dict) -> str:
 
 
 def _plan_header(what: str, header: dict, budget: int, opts: PlanOptions):
-    from .safetensors_plan import plan_units_from_header
+    from ..formats.safetensors_plan import plan_units_from_header
 
     units = plan_units_from_header(header)
     if not units:
@@ -127,8 +127,8 @@ def _plan_header(what: str, header: dict, budget: int, opts: PlanOptions):
 def _plan_components(a, comps, rest: dict, budget: int, opts: PlanOptions) -> int:
     """An all-in-one checkpoint: each model planned on its own under the whole budget, as the
     node plans its MODEL, CLIP and VAE inputs (they run one after another, never together)."""
-    from .safetensors_plan import header_bytes
-    from .tensors import fmt_bytes
+    from ..formats.safetensors_plan import header_bytes
+    from ..model.tensors import fmt_bytes
 
     planned = []
     for c in comps:

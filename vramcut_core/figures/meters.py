@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .tensors import is_plain_tensor, max_abs_diff
+from ..model.tensors import is_plain_tensor, max_abs_diff
 
 
 

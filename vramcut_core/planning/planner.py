@@ -23,11 +23,13 @@ from typing import Callable
 
 from torch import nn
 
-from . import quant, residency, speed, timeline
-from .measure import UnitMeasurement
+from ..model import quant
+from . import residency, timeline
+from ..figures import speed
+from ..figures.meters import UnitMeasurement
 from .plan import BudgetError, Plan, PlanOptions, PlanTime, PlanUnit, budget_error, make_plan, measuring_plan
-from .tensors import is_plain_tensor
-from .units import Unit, UnitSet, find_units, split_unit
+from ..model.tensors import is_plain_tensor
+from ..model.units import Unit, UnitSet, find_units, split_unit
 
 
 class UnitPlanner:

@@ -6,7 +6,7 @@ between forwards), the plan switch, which unit runs (entered through ``unit_hook
 counts calls, so skipped, replaced and repeated blocks are fine), the prefetch of the next
 streamed segment on entry, the held-plan policy (inside a session, or with ``hold_weights``, an
 all-resident plan keeps its weights swapped in between forwards), release, ``invalidate`` and
-the failure bookkeeping. The resources live in ``vramcut_core.runtime``, one owner each, and
+the failure bookkeeping. The resources live beside it in ``runtime``, one owner each, and
 their module docstrings say what each owns and the rule it keeps: ``host_memory`` (masters,
 page-locking, the bounce buffer of file-backed weights), ``device_memory`` (buffers, slots,
 byte counts), ``transfers`` (copy stream, events, prefetch order, reader ordering), ``binding``
@@ -26,15 +26,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .plan import Plan
-from .report import RunStats
-from .runtime.binding import Binding
-from .runtime.device_memory import DeviceCopy, DeviceMemory, Slot
-from .runtime.host_memory import PAGE_LOCKED, HostMasters
-from .runtime.measuring import Measuring
-from .runtime.transfers import Transfers
-from .runtime.unit_hooks import UnitHooks
-from .units import Unit
+from ..planning.plan import Plan
+from ..planning.report import RunStats
+from .binding import Binding
+from .device_memory import DeviceCopy, DeviceMemory, Slot
+from .host_memory import PAGE_LOCKED, HostMasters
+from .measuring import Measuring
+from .transfers import Transfers
+from .unit_hooks import UnitHooks
+from ..model.units import Unit
 
 _EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 

@@ -21,7 +21,7 @@ import os
 import re
 import struct
 
-from .plan import PlanUnit
+from ..planning.plan import PlanUnit
 
 MIN_BLOCKS = 3
 _MAX_HEADER = 512 * 1024 * 1024

@@ -6,9 +6,9 @@ import time
 import torch
 from torch import nn
 
-from .engine import Engine, EngineConfig
-from .report import plan_to_json, plan_to_text
-from .tensors import fmt_bytes
+from ..engine import Engine, EngineConfig
+from ..planning.report import plan_to_json, plan_to_text
+from ..model.tensors import fmt_bytes
 
 DEMO_BUDGET_SHARE = 0.4  # default budget: this share of the model's weights
 

@@ -103,7 +103,7 @@ def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: b
     to the caller). Raises ValueError with the entry at fault."""
     import re
 
-    from .plan import gib_given_text, gib_to_bytes
+    from .plan import gib_to_bytes
 
     out: list[tuple[str, int | None]] = []
     if not text or not text.strip():

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .tensors import MIB
+from ..model.tensors import MIB
 
 CACHE_ENV = "VRAMCUT_CACHE_DIR"
 CACHE_FILE = "bandwidth.json"

@@ -5,7 +5,7 @@ import dataclasses
 import json
 
 from .plan import Plan, budget_gib, need_gib
-from .tensors import fmt_bytes
+from ..model.tensors import fmt_bytes
 
 
 @dataclasses.dataclass
