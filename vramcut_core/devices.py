@@ -353,16 +353,22 @@ class SeveralDevices(DeviceSide):
                                               dataclasses.replace(m, flops=counted[n]) for n, m in meas.items()})
         bps = pl.figures.bytes_per_s(self.config) if seconds is not None else None
         units = [pl.plan_unit(pl.all[n], meas, seconds=seconds) for n in order]
+        # what stays home while a unit computes elsewhere (everything outside the units: a UNet's
+        # skips, the tensors its inputs were moved from): at most the unit's peak as one device
+        # sees it, the dry run's (a device measures only what is on it) or the measured, larger
+        traced = (tr.measurements if tr is not None else None) or {}
+        held = [max(u.peak_bytes or 0, traced[u.name].peak_bytes if u.name in traced else 0) for u in units]
+        home = str(torch.device(self.config.device))
         placed = None
         low = self.low   # a fallen budget placed a margin below it where that fits (``Engine.set_devices``)
-        if low is not None and low != self.config.devices:
+        for budgets in ([low] if low is not None and low != self.config.devices else []) + [self.config.devices]:
             try:
-                placed = place(units, list(low), pl.options, warnings=pl.unitset.warnings, bytes_per_s=bps)
+                placed = place(units, list(budgets), pl.options, warnings=pl.unitset.warnings, bytes_per_s=bps,
+                               home=home, held=held)
+                break
             except BudgetError:
-                pass
-        if placed is None:
-            placed = place(units, list(self.config.devices), pl.options, warnings=pl.unitset.warnings,
-                           bytes_per_s=bps)
+                if budgets is self.config.devices:
+                    raise
         if not bps:
             return placed
         return dataclasses.replace(placed, devices=tuple(

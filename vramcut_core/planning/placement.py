@@ -134,10 +134,14 @@ def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: b
 
 def place(units: Sequence[PlanUnit], devices: Sequence[tuple[str, int]], options: PlanOptions = PlanOptions(),
           split_unit: Callable[[str], list[PlanUnit] | None] | None = None, warnings: Sequence[str] = (),
-          bytes_per_s: float | None = None) -> Placement:
+          bytes_per_s: float | None = None, home: str | None = None, held: Sequence[int] | None = None
+          ) -> Placement:
     """The placement of ``units`` (in execution order) on ``devices``; see the module docstring.
-    ``bytes_per_s``: the host-to-device bandwidth, for the predicted-time tie-break. Raises
-    ``BudgetError`` when no placement fits, ValueError for no devices or a bad budget."""
+    ``bytes_per_s``: the host-to-device bandwidth, for the predicted-time tie-break. ``held[k]``:
+    the activation bytes that may live on the ``home`` device while unit ``k`` computes on another
+    (what the forward keeps outside the units: a UNet's skip connections, the tensors a unit's
+    inputs were moved from); the home device's part holds the largest of them beside its own.
+    Raises ``BudgetError`` when no placement fits, ValueError for no devices or a bad budget."""
     units = tuple(units)
     if not devices:
         raise ValueError("place: no devices")
@@ -149,14 +153,15 @@ def place(units: Sequence[PlanUnit], devices: Sequence[tuple[str, int]], options
         plan = make_plan(list(units), b, options, split_unit, warnings)
         return Placement(plan.units, (DevicePlan(name, b, 0, len(plan.units), plan),), ())
     timed = bytes_per_s if bytes_per_s and bytes_per_s > 0 and known(units) else None
-    found = _best(units, devices, options, warnings, timed)
+    found = _best(units, devices, options, warnings, timed, home, held)
     if found is None:
-        raise _refusal(units, devices, options)
+        raise _refusal(units, devices, options, home, held)
     return found
 
 
 def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], options: PlanOptions,
-          warnings: Sequence[str], bytes_per_s: float | None = None) -> Placement | None:
+          warnings: Sequence[str], bytes_per_s: float | None = None, home: str | None = None,
+          held: Sequence[int] | None = None) -> Placement | None:
     """Dynamic programming over cut points: best[j] after each device is the best placement of
     units[:j] on the devices so far, keyed (host bytes, hops, hop bytes, predicted seconds where
     ``bytes_per_s`` is given, device order)."""
@@ -170,13 +175,19 @@ def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], optio
             if j not in nxt or key < nxt[j][0]:
                 nxt[j] = (key, parts, last)
 
+        at_home = held is not None and name == home
         for i, (key, parts, last) in best.items():
-            offer(i, key, parts + [DevicePlan(name, budget, i, i, None)], last)  # this device takes none
+            if not at_home or max(held, default=0) <= budget:
+                offer(i, key, parts + [DevicePlan(name, budget, i, i, None)], last)  # this device takes none
             for j in range(i + 1, n + 1):
                 try:
                     plan = build_plan(units[i:j], budget, options, (), warnings)
                 except _Infeasible:
                     break  # a longer run needs at least as much
+                if at_home:
+                    plan = _holding(units, i, j, held, budget, options, warnings, plan)
+                    if plan is None:
+                        continue  # what the others' units leave here does not fit beside it (a longer run may)
                 hop = 0 if last is None else 1
                 hb = 0 if last is None else (units[i].entry_bytes or 0)
                 # last: units on earlier devices first (the first device is where the host expects the output)
@@ -199,10 +210,26 @@ def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], optio
     return Placement(units, tuple(parts), tuple(hops), known)
 
 
-def _refusal(units, devices, options) -> BudgetError:
+def _holding(units, i: int, j: int, held: Sequence[int], budget: int, options, warnings, plan: Plan) -> Plan | None:
+    """The home device's plan of ``units[i:j]`` that also holds the bytes the other devices' units
+    leave on it (``place``'s ``held``): its activation reserve the larger of its own and theirs
+    (raised on its first unit's figure, so the plan's peak says it); None when that does not fit."""
+    away = max((h for k, h in enumerate(held) if not i <= k < j), default=0)
+    first = units[i]
+    if first.peak_bytes is None or away <= (plan.activation_reserve_bytes or 0):
+        return plan
+    run = (dataclasses.replace(first, peak_bytes=max(first.peak_bytes, away)),) + tuple(units[i + 1:j])
+    try:
+        return build_plan(run, budget, options, (), warnings)
+    except _Infeasible:
+        return None
+
+
+def _refusal(units, devices, options, home=None, held=None) -> BudgetError:
     """The smallest budgets in the proportions given (found by bisection on the scale, then
     checked at the GiB text the message gives), and the error naming them."""
-    fits = lambda bs: _best(units, list(zip((n for n, _ in devices), bs)), options, ()) is not None  # noqa: E731
+    fits = lambda bs: _best(units, list(zip((n for n, _ in devices), bs)), options, (), None,  # noqa: E731
+                            home, held) is not None
     scaled = lambda f: [max(1, int(b * f)) for _, b in devices]  # noqa: E731
     lo, hi = 1.0, 2.0
     while not fits(scaled(hi)):
