@@ -221,8 +221,8 @@ class Engine:
         """A steady forward passed a device's budget: measure the next forward again and plan
         from the larger figures, once (``Shape.measure_again``)."""
         one = len(over) == 1 and self.group is None
-        why = f"forward {self.stats.forwards} ({describe_signature(s.sig)})" + ("" if one else ":") + ", ".join(
-            f"{'' if one else ' ' + d} peaked at {fmt_bytes(p)}, above {'the' if one else 'its'} budget {fmt_bytes(b)}"
+        why = f"forward {self.stats.forwards} ({describe_signature(s.sig)})" + (" " if one else ": ") + ", ".join(
+            f"{'' if one else d + ' '}peaked at {fmt_bytes(p)}, above {'the' if one else 'its'} budget {fmt_bytes(b)}"
             for d, p, b in over)
         if s.measure_again(why):
             log.warning("VRAMCut: %s; the next forward measures again and plans once more", why)
