@@ -7,7 +7,8 @@ with a Devices node connected, loaded by the host (``load_models_gpu``: its ``mo
 wrappers around the run (ON_PRE_RUN, OUTER_SAMPLE, APPLY_MODEL, ON_CLEANUP), on the simulated
 accelerator (``tests/sim_cuda.py``; the host believes its main device is ``cuda:0``). Checked:
 
-* each call's output is bit-equal to the unpatched model's;
+* each call's output is bit-equal to the unpatched model's, with an attention patch that writes
+  into the forward's ``transformer_options`` inside every block (what the next block reads);
 * each device's reserved peak stays within its own budget on every call, the first included;
 * no host sync in a steady call, and no hazard (no read of a slot or a hop before its copy);
 * the plan's JSON, and the node's entry after the run, carry the devices and the hops;
@@ -116,10 +117,34 @@ FAMILIES = {
 }
 
 
+def writing_override(func, *args, **kwargs):
+    """An attention override (the host's ``optimized_attention_override``, what attention patches
+    install) that writes inside each block into the state its call's ``transformer_options``
+    carry: a counter in a dict and an item appended to a list. The next attention call reads
+    them, and so does the caller after the forward (as a wrapper or a cache would): a block whose
+    writes land in a rebuilt copy of its options changes the output."""
+    state = kwargs["transformer_options"]["vramcut_test"]
+    state["calls"] += 1
+    state["trail"].append(state["calls"])
+    out = func(*args, **kwargs)
+    return out * (1.0 + 0.01 * state["calls"] + 0.001 * len(state["trail"]))
+
+
+def apply(base, x, sigma, conds, **options):
+    """The host's ``apply_model`` with the writing patch in a call's own ``transformer_options``
+    (the host copies the dict, not what it holds), the output folded with what the blocks wrote."""
+    state = {"calls": 0, "trail": []}
+    out = base.apply_model(x, sigma, transformer_options={"optimized_attention_override": writing_override,
+                                                          "vramcut_test": state, **options}, **conds)
+    assert state["calls"] == len(state["trail"]) > 0, "the patch ran in the forward"
+    return out * (1.0 + 0.01 * state["calls"]) + 0.001 * len(state["trail"])
+
+
 def call(base, clone, inputs):
-    """One step of the host's sampler: its ``apply_model`` with the patched model's wrappers."""
+    """One step of the host's sampler: its ``apply_model`` with the patched model's wrappers and a
+    patch that writes into ``transformer_options`` during the forward."""
     x, sigma, conds = inputs
-    return base.apply_model(x, sigma, transformer_options={"wrappers": clone.wrappers}, **conds)
+    return apply(base, x, sigma, conds, wrappers=clone.wrappers)
 
 
 def sampling(clone, steps: Callable):
@@ -206,7 +231,7 @@ def test_host_model_across_devices_exact_within_each_budget_weights_where_planne
         base = patcher.model
         host_inputs = fam.inputs()
         with torch.no_grad():
-            ref = base.apply_model(host_inputs[0], host_inputs[1], **host_inputs[2])
+            ref = apply(base, *host_inputs)
     patcher.load_device = torch.device("cuda", 0)   # a CUDA host's load device
     x, sigma, conds = fam.inputs()                    # made outside host memory: cuda:0's memory
     inputs = (x, sigma, conds)
@@ -311,7 +336,7 @@ def test_a_free_device_budget_follows_what_another_program_takes(simn, pack, max
         base = patcher.model
         host_inputs = FAMILIES["sd3_mmdit"].inputs()
         with torch.no_grad():
-            ref = base.apply_model(host_inputs[0], host_inputs[1], **host_inputs[2])
+            ref = apply(base, *host_inputs)
     patcher.load_device = torch.device("cuda", 0)
     inputs = FAMILIES["sd3_mmdit"].inputs()
     devs = dict(device_budgets(pack, max_vram, patcher, sim, inputs))

@@ -247,12 +247,15 @@ def test_streamed_forward_hooks_each_unit_it_enters_once():
             streamed = plan.streamed_order
             assert streamed and plan.resident_units, "the budget should stream some units, keep others"
             assert all(ex.hooks.contained[u] for u in streamed)
-            roots = sum(len(eng.planner.all[u].roots) for u in streamed)
-            assert hooks_on(model) == roots, "one hook per root of each streamed unit, none elsewhere"
+            # and each resident unit that ends a streamed group (its entry frees that group's slot)
+            ends = [u for u in plan.resident_units if u in ex.transfers.schedule.frees]
+            assert all(ex.hooks.contained[u] for u in ends)
+            roots = sum(len(eng.planner.all[u].roots) for u in (*streamed, *ends))
+            assert hooks_on(model) == roots, "one hook per root of each streamed unit and group end, none elsewhere"
             for _ in range(3):
                 n.reset()
                 assert torch.equal(eng.run(model, x), ref)
-                assert n.enter == len(streamed), f"{n.enter} unit entries for {len(streamed)} streamed units"
+                assert n.enter == len(streamed) + len(ends), f"{n.enter} unit entries for {len(streamed)} streamed units"
         assert_unchanged(model, snap)
 
 

@@ -785,8 +785,8 @@ def test_sim_catches_a_segment_copy_whose_later_units_are_not_ordered(sim, monke
     at its second unit reads it before its copy is ordered."""
     orig = transfers.Transfers.load
 
-    def first_only(self, names, buf, sync):
-        out = orig(self, names, buf, sync)
+    def first_only(self, names, buf, sync, free=None):
+        out = orig(self, names, buf, sync, free)
         for n in list(out)[1:]:
             out[n].ready = None
         return out

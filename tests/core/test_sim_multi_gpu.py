@@ -18,7 +18,7 @@ import torch
 
 from sim_cuda import ROUND, simulated_cuda
 from test_sim_cuda import assert_restored, probe_plan, values
-from toys import MMDiTLike, UNetLike, VideoDiTLike, seeded
+from toys import MMDiTLike, OptionsDiT, UNetLike, VideoDiTLike, seeded
 from vramcut_core import BudgetError, Engine, EngineConfig, find_units
 
 
@@ -35,6 +35,11 @@ FAMILIES = {
     "video": (lambda: seeded(VideoDiTLike(d=32, depth=8)),
               lambda: (torch.randn(1, 4, 3, 4, 4, generator=_g(1)), torch.rand(1, generator=_g(2)),
                        torch.randn(1, 5, 12, generator=_g(3)))),
+    # blocks writing into a dict and a list their caller made (ComfyUI's transformer_options)
+    "options": (lambda: seeded(OptionsDiT(d=32, depth=8)),
+                lambda: (torch.randn(2, 6, 12, generator=_g(1)),)),
+    "options_mixed": (lambda: seeded(OptionsDiT(d=32, depth=8, mix=True)),
+                      lambda: (torch.randn(2, 6, 12, generator=_g(1)),)),
 }
 
 
@@ -128,7 +133,7 @@ def test_across_devices_bit_exact_within_each_budget_no_sync(simn, family):
     # the hops the plan shows are the peer copies the last forward made
     assert js["hop_bytes_per_call"] == sum(nb for _, _, nb in peers[-1]) > 0
     assert {(h["src"], h["dst"]) for h in js["hops"]} == {(f"cuda:{s}", f"cuda:{d}") for s, d, _ in peers[-1]}
-    assert js["hop_rule"] == ("home" if family == "unet" else "keep")
+    assert js["hop_rule"] == ("home" if family in ("unet", "options_mixed") else "keep")
     for d in pl.used:
         assert sim.allocs[torch.device(d.device).index].high_allocated > 0, f"{d.device} was never used"
     assert eng.held_bytes == 0

@@ -16,12 +16,25 @@ def test_all_resident_is_the_compute():
     assert t.step_s == 5.0 and t.stalls == (0.0, 0.0) and t.copied == (False, False)
 
 
-@pytest.mark.parametrize("kw", [dict(overlap=False), dict(depth=0)], ids=["no_overlap", "depth0"])
-def test_synchronous_copies_add_up(kw):
+def test_synchronous_copies_add_up():
     # R1, A(compute 2, copy 3), B(compute 1, copy 4), C(compute 1, copy 2): nothing hides a copy
     # step = 1 + (3 + 2) + (4 + 1) + (2 + 1) = 14; stalls are the copies
-    t = simulate([R(1), Step(2, 3), Step(1, 4), Step(1, 2)], **kw)
+    t = simulate([R(1), Step(2, 3), Step(1, 4), Step(1, 2)], overlap=False)
     assert t.step_s == 14 and t.stalls == (0, 3, 4, 2)
+
+
+def test_one_slot_copies_behind_the_resident_units_before_a_group():
+    # The same with one slot (depth 0): each copy waits for its slot (the group before it done),
+    # not for the compute queued since. A's copy is issued when the call begins (C of the call
+    # before is done at 0): [0,3] beside R [0,1]: A waits to 3 (stall 2) [3,5]; B's copy needs
+    # A done: [5,9], B [9,10]; C's [10,12], C [12,13]. Step 13.
+    t = simulate([R(1), Step(2, 3), Step(1, 4), Step(1, 2)], depth=0)
+    assert t.step_s == 13 and t.stalls == (0, 2, 4, 2)
+    # a resident unit between two groups hides the second one's copy: A [.., ..], R2 after it
+    t = simulate([Step(1, 3), R(2), Step(1, 3)], depth=0)
+    # A's copy [0,3] (B of the call before done at 0), A [3,4]; B's copy after A: [4,7] beside
+    # R [4,6]; B waits to 7 [7,8]. Step 8.
+    assert t.step_s == 8 and t.stalls == (3, 0, 1)
 
 
 def test_prefetch_hides_copies_behind_compute():

@@ -410,3 +410,47 @@ class VideoDiTLike(nn.Module):
             h = blk(h, e=e, context=ctx)
         out = self.head(h).view(b, f, hh // 2, ww // 2, c, 2, 2)
         return out.permute(0, 4, 1, 2, 5, 3, 6).reshape(b, c, f, hh, ww)
+
+
+class OptionsBlock(nn.Module):
+    """A block that writes into the containers it is given, as ComfyUI's blocks write into
+    ``transformer_options``: a counter and a tensor into a dict, an index appended to a list.
+    The next block reads what the last one wrote."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ffn = MLPBlock(d)
+
+    def forward(self, x, opts, trail):
+        carry = opts.get("carry")
+        if carry is not None:
+            x = x + carry
+        x = self.ffn(x) * (1 + opts["count"] + len(trail))
+        opts["count"] = opts["count"] + 1
+        opts["carry"] = x.mean(dim=1, keepdim=True)
+        trail.append(opts["count"])
+        return x
+
+
+class OptionsDiT(nn.Module):
+    """A chain of ``OptionsBlock``s over options made per call (``opts``, ``trail``). With
+    ``mix``, the code after the blocks mixes the last written ``carry`` with a tensor computed at
+    the start: a model whose outer code reads what a block wrote, where that block computed."""
+
+    def __init__(self, d: int = 32, depth: int = 8, mix: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(12, d)
+        self.blocks = nn.ModuleList(OptionsBlock(d) for _ in range(depth))
+        self.head = nn.Linear(d, 12)
+        self.mix = mix
+
+    def forward(self, x):
+        start = x.mean()
+        opts, trail = {"count": 0}, []
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h, opts, trail=trail)
+        out = self.head(h) * (opts["count"] + len(trail))
+        if self.mix:
+            out = out + start * opts["carry"].mean()
+        return out

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from .plan import Plan, PlanUnit
+from .schedule import schedule_of
 
 
 def unit_seconds(flops: int | None, flops_per_s: float | None) -> float | None:
@@ -42,13 +43,16 @@ class Step:
     ``copy_s`` is None for a resident segment, else the seconds its weights take to copy (bytes /
     host-to-device bandwidth); ``hop_s`` the seconds its input takes to reach its device from the
     previous segment's (0 on one device); ``sync`` marks a copy made when the segment is entered
-    instead of prefetched (a segment a forward enters several times)."""
+    instead of prefetched (a segment a forward enters several times); ``after`` the place, among
+    the streamed steps of its device, of the one whose slot its copy takes (None: ``depth + 1``
+    places before it)."""
 
     compute_s: float
     copy_s: float | None = None
     device: int = 0
     hop_s: float = 0.0
     sync: bool = False
+    after: int | None = None  # ``schedule.Copy.after``: the streamed step whose slot its copy takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Timeline:
     copied: tuple[bool, ...]
     compute_s: float
     hop_s: float = 0.0
+    first_s: float | None = None  # the first call of a session (resident copies first)
 
     @property
     def stall_s(self) -> float:
@@ -73,89 +78,135 @@ _MAX_STEPS = 256  # steps simulated at most before the steady one is taken (it c
 
 
 def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: bool = True,
-             session: bool = True) -> Timeline:
+             session: bool = True, load: Mapping[int, float] | None = None) -> Timeline:
     """The steady-state timeline of ``steps`` run again and again (one forward per sampling step).
 
-    The model is the executor's schedule, one copy stream and ``depth + 1`` slots per device:
+    The model is the executor's schedule (``schedule``), one copy stream and ``depth + 1`` slots
+    per device:
 
-    * ``overlap`` False (CPU: a copy is a memory copy on the thread that computes) or ``depth`` 0
-      (one slot, loaded on entry): a streamed segment waits for its whole copy, which starts when
-      the segment before it has finished: its stall is its copy time.
-    * ``depth`` d >= 1 (d + 1 slots): the copies of a device's streamed segments run in execution
-      order on its copy stream, wrapping to the next forward's first; a copy starts when the copy
-      before it is done and its slot is free, that is when the streamed segment d + 1 places
-      earlier on that device (this forward's or the last one's) has finished computing. The host
-      issues copies ahead of the device (it never waits for them), so nothing else delays a copy.
+    * ``overlap`` False (CPU: a copy is a memory copy on the thread that computes): a streamed
+      segment waits for its whole copy, which starts when the segment before it has finished.
+    * Else the copies of a device's streamed segments run in execution order on its copy stream,
+      wrapping to the next forward's first; a copy starts when the copy before it is done and its
+      slot is free, that is when the streamed segment ``depth + 1`` places earlier on that device
+      (this forward's or the last one's) has finished computing: its slot's free event, which is
+      all it waits for (resident segments between never hold it back), issued by the host as the
+      slot frees. One slot (``depth`` 0) is the same rule: the next group's copy runs beside the
+      resident segments before it. A ``sync`` segment (looped) is copied when entered, whole.
     * A segment computes when the segment before it has finished (plus ``hop_s``, its input's
       trip from the previous device) and its copy is done.
     * ``session`` (the executor keeps its slots between forwards): a device that streams no more
       segments than it has slots copies nothing after the first forward, and the next forward's
-      first copies start during this one. Without it every forward starts with empty slots.
+      first copies start during this one. Without it every forward starts with nothing on the
+      device, as the first of a session does: its resident segments are copied first (``load``:
+      seconds per device; compute waits for them), then its first streamed segment; the call
+      ends when its copies have too (the buffers are released).
 
     Forwards are simulated until one starts with the copy streams and slots as the one before
-    started (it does within a few: then that forward repeats forever) and that one is returned."""
+    started (it does within a few: then that forward repeats forever) and that one is returned;
+    ``first_s`` is the first call of a session."""
     steps = list(steps)
     devices = sorted({s.device for s in steps})
     slots = {d: 1 + (depth if isinstance(depth, int) else depth[i]) for i, d in enumerate(devices)}
-    step_s, stalls, copied = steady([s.compute_s for s in steps], [s.copy_s for s in steps],
-                                    [s.device for s in steps], [s.hop_s for s in steps],
-                                    [s.sync for s in steps], slots, overlap, session)
-    return Timeline(step_s, stalls, copied, sum(s.compute_s for s in steps), sum(s.hop_s for s in steps))
+    lists = ([s.compute_s for s in steps], [s.copy_s for s in steps], [s.device for s in steps],
+             [s.hop_s for s in steps], [s.sync for s in steps], slots, overlap)
+    after = [s.after for s in steps]
+    first_s, step_s, stalls, copied = _run(*lists, session, load, after=after)
+    if session:
+        first_s = _run(*lists, True, load, calls=1, after=after)[0]
+    return Timeline(step_s, stalls, copied, sum(s.compute_s for s in steps), sum(s.hop_s for s in steps), first_s)
 
 
 def steady(compute: Sequence[float], copy: Sequence[float | None], device: Sequence[int],
            hop: Sequence[float], sync: Sequence[bool], slots: Mapping[int, int], overlap: bool = True,
-           session: bool = True) -> tuple[float, tuple[float, ...], tuple[bool, ...]]:
+           session: bool = True, load: Mapping[int, float] | None = None
+           ) -> tuple[float, tuple[float, ...], tuple[bool, ...]]:
     """``simulate`` on plain lists, one entry per step (``Step``'s fields) and the slots of each
     device: (step seconds, stalls, copied). The planner's searches call it directly (no objects
-    built per residency tried)."""
+    built per residency tried). ``load``: seconds each device's resident copies take when a call
+    begins with nothing on the device (the first of a session; every call outside one)."""
+    return _run(compute, copy, device, hop, sync, slots, overlap, session, load)[1:]
+
+
+def first_call(compute: Sequence[float], copy: Sequence[float | None], device: Sequence[int],
+               hop: Sequence[float], sync: Sequence[bool], slots: Mapping[int, int], overlap: bool = True,
+               load: Mapping[int, float] | None = None) -> float:
+    """Seconds of the first call of a session: resident copies first (compute waits for them),
+    then the first streamed group's, nothing prefetched before."""
+    return _run(compute, copy, device, hop, sync, slots, overlap, True, load, calls=1)[0]
+
+
+def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls: int = _MAX_STEPS, after=None):
+    """(first call's seconds, steady call's seconds, its stalls, copied): calls simulated until one
+    starts as the one before started (see ``simulate``), at most ``calls``. ``after[i]``: for a
+    streamed step, the place (among its device's streamed steps) of the one whose slot its copy
+    takes (``schedule.Copy.after``); None: ``slots`` places before it, cyclically."""
     n = len(compute)
     devices = set(device)
-    streamed = {d: sum(1 for i in range(n) if device[i] == d and copy[i] is not None) for d in devices}
-    held = {d: session and streamed[d] <= slots[d] for d in devices}
-    copied = tuple(copy[i] is not None and not held[device[i]] for i in range(n))
-    # a streamed step waits for its whole copy: no overlap, one slot, or a copy made on entry
-    waits = tuple(c and (not overlap or slots[device[i]] == 1 or sync[i]) for i, c in enumerate(copied))
-    # per device: when its copy stream is free, and when each of its last (slots) streamed
-    # segments finished computing (a slot is free once its segment has run)
+    load = load or {}
+    streams = tuple(c is not None for c in copy)
+    pos: list[int] = [0] * n     # a streamed step's place among its device's streamed steps
+    count = {d: 0 for d in devices}
+    for i in range(n):
+        if streams[i]:
+            pos[i] = count[device[i]]
+            count[device[i]] += 1
+    frees = [(after[i] if after is not None and after[i] is not None else (pos[i] - slots[device[i]]) % count[device[i]])
+             if streams[i] else 0 for i in range(n)]
+    held = {d: session and count[d] <= slots[d] for d in devices}
+    copied = tuple(streams[i] and not held[device[i]] for i in range(n))
+    # a streamed step waits for its whole copy: no overlap, or a copy made on entry (looped)
+    waits = tuple(c and (not overlap or sync[i]) for i, c in enumerate(streams))
+    # per device: when its copy stream is free, and when each of its streamed steps last finished
+    # computing (its slot's free event: the next copy into that slot waits for it alone)
     copy_free = {d: 0.0 for d in devices}
-    freed: dict[int, list[float]] = {d: [0.0] * slots[d] for d in devices}
+    done: dict[int, list[float]] = {d: [0.0] * count[d] for d in devices}
     end = 0.0
+    first_s = None
     stalls: list[float] = []
     state: tuple | None = None
-    for _ in range(_MAX_STEPS):
+    step_s = 0.0
+    for k in range(calls):
         start = end
+        fresh = k == 0 or not session  # nothing on the device: resident copies first
         if not session:  # slots released after each forward: the first copies start with the next
-            copy_free = {d: start for d in devices}
-            freed = {d: [start] * slots[d] for d in devices}
+            done = {d: [start] * count[d] for d in devices}
+        if fresh:
+            copy_free = {d: max(copy_free[d], start) + load.get(d, 0.0) for d in devices}
+        gate = {d: copy_free[d] if fresh else start for d in devices}  # compute waits for its residents
         # a forward is fixed by the copy streams and slots as they stand when it starts (relative
         # to its start): when they stand as they did one forward ago, that forward repeats forever
-        now = tuple(round(t - start, 12) for d in sorted(devices) for t in [copy_free[d], *freed[d]])
-        if now == state:
-            return step_s, tuple(stalls), copied
-        state = now
+        now = tuple(round(t - start, 12) for d in sorted(devices) for t in [copy_free[d], *done[d]])
+        if now == state and not fresh:
+            return first_s, step_s, tuple(stalls), copied
+        state = None if fresh else now  # (a fresh call is no steady one)
         stalls = []
+        moved = streams if fresh else copied  # a call that begins empty copies every group
         for i in range(n):
-            ready = end + hop[i]
             d = device[i]
-            if not copied[i]:
+            ready = end + hop[i]
+            if ready < gate[d]:
+                ready = gate[d]
+            if not moved[i]:
                 begin = ready
             elif waits[i]:
-                begin = ready + copy[i]
+                begin = max(ready, copy_free[d]) + copy[i]
                 copy_free[d] = begin
             else:
-                f = freed[d]
-                copy_end = max(copy_free[d], f[0]) + copy[i]
+                copy_start = max(copy_free[d], done[d][frees[i]])
+                copy_end = copy_start + copy[i]
                 copy_free[d] = copy_end
                 begin = ready if ready > copy_end else copy_end
             end = begin + compute[i]
-            if copied[i]:
-                f = freed[d]
-                f.pop(0)
-                f.append(end)
+            if streams[i]:
+                done[d][pos[i]] = end
             stalls.append(begin - ready)
+        if not session:  # released after the call: it waits for every copy issued
+            end = max(end, *copy_free.values())
         step_s = end - start
-    return step_s, tuple(stalls), copied
+        if first_s is None:
+            first_s = step_s
+    return first_s, step_s, tuple(stalls), copied
 
 
 def known(units: Sequence[PlanUnit]) -> bool:
@@ -163,26 +214,42 @@ def known(units: Sequence[PlanUnit]) -> bool:
     return all(u.compute_s is not None for u in units if u.entered)
 
 
-def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0) -> list[Step]:
+def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0, latency_s: float = 0.0) -> list[Step]:
     """The steps of ``plan``'s segments a forward enters: their units' compute time (all passes)
-    and, for a streamed segment, its bytes per forward over ``bytes_per_s``. A segment entered
+    and, for a streamed segment, its bytes per forward over ``bytes_per_s`` plus ``latency_s`` per
+    copy (one per unit and pass: each unit is copied from its own host master). A segment entered
     several times (a looped unit: a segment of its own) is copied on each entry, not prefetched."""
     if not known(plan.units):
         raise ValueError("the plan's units have no compute times (PlanUnit.compute_s)")
     if not bytes_per_s or bytes_per_s <= 0:
         raise ValueError(f"bytes_per_s must be a positive rate, got {bytes_per_s!r}")
+    copies = iter(schedule_of(plan).copies)  # the streamed segments entered, in order
     out = []
     for seg in plan.segments:
         us = [plan.units[i] for i in seg.units if plan.units[i].entered]
         if not us:
             continue
         compute = sum(u.compute_s for u in us)
-        copy = None if seg.resident else sum(u.weight_bytes * u.calls for u in us) / bytes_per_s
-        out.append(Step(compute, copy, device, sync=not seg.resident and max(u.calls for u in us) > 1))
+        if seg.resident:
+            out.append(Step(compute, None, device))
+            continue
+        c = next(copies)
+        copy = sum(u.weight_bytes * u.calls / bytes_per_s + latency_s * u.calls for u in us)
+        out.append(Step(compute, copy, device, sync=c.on_entry, after=c.after))
     return out
 
 
-def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True) -> Timeline:
-    """The steady step time ``plan`` predicts: its segments through ``simulate`` with its slots
-    (two: prefetch depth 1; one: loaded on entry). ``overlap`` False for CPU (copies synchronous)."""
-    return simulate(plan_steps(plan, bytes_per_s), max(plan.slots - 1, 0), overlap, session)
+def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0) -> float:
+    """Seconds the copies of ``plan``'s resident units take when a call begins with nothing on the
+    device (one copy per unit, entered or not: the executor places every resident unit)."""
+    return sum(u.weight_bytes / bytes_per_s + latency_s for s in plan.segments if s.resident
+               for u in (plan.units[i] for i in s.units))
+
+
+def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
+            latency_s: float = 0.0) -> Timeline:
+    """The steady step time ``plan`` predicts, and its first call's: its segments through
+    ``simulate`` with its slots (two: prefetch depth 1; one: depth 0). ``overlap`` False for CPU
+    (copies synchronous); ``latency_s`` the fixed cost of one copy."""
+    return simulate(plan_steps(plan, bytes_per_s, latency_s=latency_s), max(plan.slots - 1, 0), overlap, session,
+                    {0: load_seconds(plan, bytes_per_s, latency_s)})

@@ -64,6 +64,9 @@ class Slot:
 
     buf: torch.Tensor
     copies: dict[str, DeviceCopy] = dataclasses.field(default_factory=dict)
+    # CUDA event recorded on the compute stream once the group it holds was last done computing
+    # (``schedule``: per-slot free events); None while that group runs, or before it ever ran
+    free: object | None = None
 
     @property
     def group(self) -> tuple[str, ...] | None:

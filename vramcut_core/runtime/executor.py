@@ -3,8 +3,9 @@ tests exercise all of it).
 
 It orchestrates one forward and owns only what spans the rooms: the session (buffers kept
 between forwards), the plan switch, which unit runs (entered through ``unit_hooks``: nothing
-counts calls, so skipped, replaced and repeated blocks are fine), the prefetch of the next
-streamed segment on entry, the held-plan policy (inside a session, or with ``hold_weights``, an
+counts calls, so skipped, replaced and repeated blocks are fine), the walk of the plan's
+schedule (``schedule``: a slot's free event recorded when its group is done, the next copy
+into it issued then; a group not in its slot when entered copied at once), the held-plan policy (inside a session, or with ``hold_weights``, an
 all-resident plan keeps its weights swapped in between forwards), release, ``invalidate`` and
 the failure bookkeeping. The resources live beside it in ``runtime``, one owner each, and
 their module docstrings say what each owns and the rule it keeps: ``host_memory`` (masters,
@@ -86,6 +87,7 @@ class SegmentedExecutor:
         self._plan = self._last_plan = None
         self._current: str | None = None
         self._last_streamed: tuple[str, ...] | None = None   # the streamed group running
+        self._open: Slot | None = None   # the slot of the streamed group computing (its free event not yet recorded)
         # the unit that ran when the last forward raised, the bytes the executor held then, the plan
         self.failed_unit, self.failed_device_bytes, self.failed_plan = None, 0, None
         self.failed_tracked = True    # the failed forward tracked every unit (not only streamed ones)
@@ -139,6 +141,7 @@ class SegmentedExecutor:
         self.memory.on_grow = self._check_live if ms.limit is not None else None
         ms.act_seen = ms.input_bytes = ms.cuda_peak = 0
         self.failed_unit = None
+        self._open = None
         self.peak_weight_bytes = self.device_bytes  # this forward's peak, not the executor's lifetime's
         global_hooks = []
         capped = None   # the allocator's fraction to restore after a capped measuring forward
@@ -160,7 +163,7 @@ class SegmentedExecutor:
             if self.cuda:
                 capped = ms.cap_cuda(self.device_bytes + ms.input_bytes)
             if not resumed:
-                self.hooks.install(plan, ms.meas is not None, set() if clock else self.memory.resident_names)
+                self.hooks.install(plan, ms.meas is not None, set() if clock else self._unhooked())
             global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())
             out = fn(*args, **kwargs)
             ok = True
@@ -181,10 +184,13 @@ class SegmentedExecutor:
             if not ok or not self._holding:
                 self.hooks.remove()
             elif clock:  # a timed forward hooked the resident units too: back to the steady hooks
-                self.hooks.install(plan, False, self.memory.resident_names)
+                self.hooks.install(plan, False, self._unhooked())
             if ms.meter is not None:
                 ms.meter.stop()
             self._after_forward(plan, ok)
+            if ok:
+                self._close_group()  # the last streamed group is done: its slot's free event
+            self._open = None
             self._current = self._last_streamed = None
             try:
                 if ok and plan.slots == 2 and self._holding:
@@ -281,6 +287,9 @@ class SegmentedExecutor:
         self._stale_copies = False
         while len(mem.slots) < plan.slots:
             mem.slots.append(Slot(mem.alloc(plan.slot_bytes)))
+            # its free event: the kernels queued before it was allocated (memory the allocator may
+            # have recycled from them), not those queued before its first copy is issued
+            self.transfers.mark_free(mem.slots[-1])
         self.transfers.use_plan(plan)
         self.binding.swap_in_buffers(mem, self._loaded)
         if (groups and plan.slots and mem.slot_of(groups[0][0]) is None
@@ -304,6 +313,7 @@ class SegmentedExecutor:
             return
         self._current = name
         mem, tr = self.memory, self.transfers
+        self._close_group(name)
         if name not in mem.resident_names:
             slot = mem.slot_of(name)
             if slot is None:
@@ -318,11 +328,38 @@ class SegmentedExecutor:
             else:
                 tr.order_entry(slot.copies[name], slot.copies)
             self._last_streamed = slot.group
+            slot.free, self._open = None, slot  # read from now on, until the group is done
             self._loaded(name, slot.copies[name])
         nxt = tr.next.get(name)
-        if nxt is not None and len(mem.slots) >= 2 and mem.slot_of(nxt[0]) is None:
+        if (nxt is not None and len(mem.slots) >= 2 and mem.slot_of(nxt[0]) is None
+                and (self._holding or name not in tr.schedule.ahead)):  # (released unread after the call)
             self._load_into_slot(nxt, mem.other_slot(self._last_streamed), sync=not self.cuda)
         self.measuring.entered(name)
+
+    def _close_group(self, entering: str | None = None) -> None:
+        """The streamed group computing is done when another unit is entered (``entering``) or
+        the call ends (None): its slot's free event is recorded and the group the schedule puts
+        there next is copied now (``schedule``: a copy is issued when its slot frees; in a
+        measuring forward at the entry before it, as the plan's prefetch order says)."""
+        slot = self._open
+        if slot is None or (entering is not None and entering in slot.copies):
+            return
+        self._open = None
+        tr, mem = self.transfers, self.memory
+        tr.mark_free(slot)
+        nxt = tr.schedule.refill.get(slot.group) if tr.schedule is not None else None
+        if (nxt is None or self.measuring.meas is not None or mem.slot_of(nxt[0]) is not None
+                or mem.group_bytes(nxt) > slot.buf.numel()
+                or not (self._holding or slot.group not in tr.schedule.ahead)):  # (released unread after the call)
+            return
+        # (at the call's end the tensors stay on their masters until the next call enters it)
+        self._load_into_slot(nxt, slot, sync=not self.cuda, swap=entering is not None)
+
+    def _unhooked(self) -> set[str]:
+        """The units a steady forward does not hook: resident ones, but those whose entry ends a
+        streamed group (the schedule's ``frees``: there the group's slot is free for its next copy)."""
+        sched = self.transfers.schedule
+        return self.memory.resident_names - (sched.frees if sched is not None else frozenset())
 
     def _loaded(self, name: str, dc: DeviceCopy) -> None:
         """Run ``on_loaded`` once per device copy, when the copy is usable by compute."""

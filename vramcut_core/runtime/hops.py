@@ -15,6 +15,13 @@ Two rules, chosen per placement by a dry run on fake devices (``devices.check_ho
 * ``HOME``: a unit off the home device returns its outputs home; outer code only ever sees
   home tensors (a UNet's skip connections, concatenated outside any block). Always correct.
 
+A unit's arguments are moved in place: a tensor inside a list or dict the caller passed (ComfyUI's
+``transformer_options``, a patch's cache) is replaced in that same container for as long as the
+unit computes and put back when it returns, so whatever the unit writes into its containers (a
+new key, an appended item, a counter) is what the caller sees after it, exactly as on one device.
+Only a tuple, which nobody can write into, is rebuilt. With the home rule, a tensor the unit wrote
+into a caller's container is moved home when the unit returns, as its outputs are.
+
 A unit is entered when the first of its modules is called from outside the unit (a UNet calls
 a block's children directly, never the block): a per-unit depth counts its modules' calls, so
 only the outermost call moves anything. A tensor read by several units (Flux's ``vec``, ``pe``)
@@ -70,6 +77,7 @@ class Hops:
         self._depth: dict[str, int] = {}
         self._current = current
         self._entered: dict[str, object] = {}   # unit -> its device's context, while it computes
+        self._slots: dict[str, list] = {}       # unit -> what it moved in the caller's containers
         self._cache: dict[tuple[int, torch.device], tuple[weakref.ref, int, torch.Tensor]] = {}
         self.moves: dict[tuple[str, str, str], int] = {}   # (src, dst, unit) -> bytes moved this forward
         self.count = 0                                       # moves this forward
@@ -133,7 +141,72 @@ class Hops:
             ctx = torch.cuda.device(dev)
             ctx.__enter__()
             self._entered[name] = ctx
-        return self.to((args, kwargs), dev, name)
+        slots: list = []
+        self._slots[name] = slots
+        # the args tuple and the kwargs dict are the call's own: rebuilt/updated like any other
+        seen: set = set()
+        return self._in_place(args, dev, name, slots, seen), self._in_place(kwargs, dev, name, slots, seen)
+
+    def _in_place(self, x, dev: torch.device, unit: str, slots: list, seen: set):
+        """``x`` with its tensors moved to ``dev``: lists and dicts changed in place (each change
+        recorded in ``slots`` to be put back), tuples rebuilt, anything else passed as it is."""
+        if isinstance(x, torch.Tensor):
+            return self.to(x, dev, unit)
+        if isinstance(x, (list, dict)):
+            if id(x) in seen:
+                return x
+            seen.add(id(x))
+            items = x.items() if isinstance(x, dict) else enumerate(x)
+            changes = []
+            for k, v in items:
+                nv = self._in_place(v, dev, unit, slots, seen)
+                if nv is not v:
+                    changes.append((k, v, nv))
+            for k, v, nv in changes:
+                x[k] = nv
+                slots.append((x, k, v, nv))
+            slots.append((x, None, None, None))   # a container the unit may write a tensor into
+            return x
+        if isinstance(x, tuple):
+            new = [self._in_place(v, dev, unit, slots, seen) for v in x]
+            if all(a is b for a, b in zip(new, x)):
+                return x
+            return type(x)(*new) if hasattr(x, "_fields") else type(x)(new)
+        return x
+
+    def _put_back(self, name: str, home: bool) -> None:
+        """Put back what ``_enter`` moved into the caller's containers (where the unit did not
+        overwrite it); with the home rule, move home any tensor the unit wrote into them."""
+        slots = self._slots.pop(name, None)
+        if not slots:
+            return
+        ours = {id(nv) for _c, k, _v, nv in slots if k is not None}
+        for c, k, v, nv in reversed(slots):
+            if k is None:
+                continue
+            if isinstance(c, dict):
+                if k in c and c[k] is nv:
+                    c[k] = v
+            elif k < len(c) and c[k] is nv:
+                c[k] = v
+            else:   # the unit inserted before it: find it by identity
+                for i, cur in enumerate(c):
+                    if cur is nv:
+                        c[i] = v
+                        break
+        if not home:
+            return
+        done = set()
+        for c, k, _v, _nv in slots:
+            if k is not None or id(c) in done:
+                continue
+            done.add(id(c))
+            items = list(c.items()) if isinstance(c, dict) else list(enumerate(c))
+            for key, cur in items:
+                if isinstance(cur, torch.Tensor) and id(cur) not in ours:
+                    src = self.where(cur)
+                    if src.type == self.home.type and src != self.home:
+                        c[key] = self.to(cur, self.home, name)
 
     def _leave(self, name: str, back: bool, out):
         d = self._depth[name] = max(0, self._depth.get(name, 1) - 1)
@@ -142,6 +215,7 @@ class Hops:
         ctx = self._entered.pop(name, None)
         if ctx is not None:
             ctx.__exit__(None, None, None)
+        self._put_back(name, back)
         if not back:
             return None
         return self.to(out, self.home, name)
@@ -157,6 +231,8 @@ class Hops:
         for ctx in reversed(list(self._entered.values())):   # a forward that ended inside a unit
             ctx.__exit__(None, None, None)
         self._entered.clear()
+        for name in list(self._slots):   # the caller's containers as they were
+            self._put_back(name, False)
         self._depth.clear()
         self._cache.clear()
 

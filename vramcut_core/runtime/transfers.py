@@ -1,13 +1,14 @@
-"""Transfers: the copy stream, its events, the prefetch order, and which readers wait on which copy.
+"""Transfers: the copy stream, its events, the schedule it follows, and which readers wait on which copy.
 
 Owns the side stream copies run on (CUDA), the events of every copy (one per transfer: a
 streamed segment's units are copied one after another between one wait and one event, which all
 of them share; one per piece of the bounce buffer a file-backed unit passes through), the
-timing events not yet read, and the map from each unit to the streamed
-segment to prefetch after it. The one rule: every stream that reads a buffer waits on the event
-of the copy that filled it, and a copy into a buffer first waits on the compute stream, so it
-never overwrites weights that queued kernels still read; every synchronisation carries a
-``hazard:`` comment. The simulated accelerator's tests (tests/core/test_sim_*.py) fail without
+timing events not yet read, and the plan's schedule (``schedule``: each unit's segment, what
+each entry prefetches, what each slot is refilled with once it frees). The one rule: every
+stream that reads a buffer waits on the event of the copy that filled it, and a copy into a
+buffer first waits on the compute stream (into a slot: the slot's free event, recorded once the
+group that last held it was done), so it never overwrites weights that queued kernels still
+read; every synchronisation carries a ``hazard:`` comment. The simulated accelerator's tests (tests/core/test_sim_*.py) fail without
 each, but two it cannot show: ``drain``'s wait for the compute stream (the simulator runs
 compute kernels at once) and the finalizer's drain (there, unpinning the masters waits for the
 same copies first); both stay: on a GPU kernels queue, and masters can outlive the executor. The
@@ -27,35 +28,12 @@ import torch
 
 from ..model import quant
 from ..planning.plan import Plan
+from ..planning.schedule import Schedule, schedule_of
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
 from .host_memory import (PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size, masters_holding,
                           staged)
 from .layout import quant_views, view
-
-
-def prefetch_order(plan: Plan) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...] | None]]:
-    """``(group_of, next)``: each streamed unit's segment, and the streamed segment to prefetch
-    after each unit, in execution order (wrapping to the first)."""
-    groups = plan.streamed_groups
-    group_of = {n: g for g in groups for n in g}
-    pos = {g: i for i, g in enumerate(groups)}
-    nxt: dict[str, tuple[str, ...] | None] = {}
-    upcoming = groups[0] if groups else None
-    for u in reversed(plan.units):
-        nxt[u.name] = upcoming
-        if u.name in group_of:
-            upcoming = group_of[u.name]
-    # A forward that loops over streamed units (a video VAE, frame by frame) does not start
-    # its next pass at the first group: wrapping there would copy it for nothing (the pass
-    # loads what it enters; the next forward's first group is prefetched after this one).
-    loops = any(u.calls > 1 for u in plan.units if u.name in group_of)
-    for g in groups:
-        last = pos[g] + 1 == len(groups)
-        after = None if len(groups) < 2 or (loops and last) else groups[(pos[g] + 1) % len(groups)]
-        for n in g:
-            nxt[n] = after
-    return group_of, nxt
 
 
 class Transfers:
@@ -77,6 +55,7 @@ class Transfers:
         # streams, ``HostHooks.reader_streams``): each waits on the same copy events as the
         # compute stream.
         self.reader_streams = reader_streams
+        self.schedule: Schedule | None = None  # the plan's (``schedule``): what each entry issues
         self.group_of: dict[str, tuple[str, ...]] = {}       # streamed unit -> its segment's units
         self.next: dict[str, tuple[str, ...] | None] = {}    # unit -> the streamed group to prefetch
         # Collected without release (an interrupted run, an engine replaced): the device buffers
@@ -84,8 +63,9 @@ class Transfers:
         weakref.finalize(self, _drain_cuda, self.copy_stream)
 
     def use_plan(self, plan: Plan) -> None:
-        """Copies from now on follow ``plan``'s segments and prefetch order."""
-        self.group_of, self.next = prefetch_order(plan)
+        """Copies from now on follow ``plan``'s schedule (``schedule.schedule_of``)."""
+        self.schedule = schedule_of(plan)
+        self.group_of, self.next = dict(self.schedule.group_of), dict(self.schedule.issue)
 
     def drain(self) -> None:
         """Before the device buffers are freed: every copy and every queued kernel has finished."""
@@ -104,11 +84,13 @@ class Transfers:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
-    def load(self, names: tuple[str, ...], buf: torch.Tensor, sync: bool) -> dict[str, DeviceCopy]:
+    def load(self, names: tuple[str, ...], buf: torch.Tensor, sync: bool, free=None) -> dict[str, DeviceCopy]:
         """Copy the weights of units ``names`` back to back into ``buf`` (subclass tensors next
         to it): one transfer. On CUDA the copies are issued one after another on the copy stream
         (from each unit's own host master) between one wait and one event, which every unit's
-        copy shares."""
+        copy shares. ``free``: the event recorded when the compute that last read ``buf`` was
+        done (a slot's free event); the copy waits for it alone. None: for everything the compute
+        stream has queued so far."""
         mem = self.memory
         t0 = time.perf_counter()
         out: dict[str, DeviceCopy] = {}
@@ -122,13 +104,18 @@ class Transfers:
                 compute = torch.cuda.current_stream(self.device)
                 # The slot may still be read by kernels queued on the compute stream (or be
                 # memory the allocator just recycled from them): the copy stream waits for
-                # them, or it would overwrite data in use.
-                ev = torch.cuda.Event()
-                ev.record(compute)
+                # them, or it would overwrite data in use. A slot whose group has been done
+                # computing says when (its free event): kernels queued since (resident units
+                # between two streamed groups) never touch it, and the copy overlaps them.
+                ev = free
+                if ev is None:
+                    ev = torch.cuda.Event()
+                    ev.record(compute)
                 ev_start = torch.cuda.Event(enable_timing=True)
             with stream_ctx:
                 if self.cuda:
                     # hazard: overwriting a slot that queued kernels (compute or host readers) still read
+                    # hazard: overwriting a slot before the group that last held it is done computing
                     self.copy_stream.wait_event(ev)
                     ev_start.record(self.copy_stream)
                 base = 0
@@ -186,7 +173,7 @@ class Transfers:
             self.binding.swap_out(old)
         mem.account(-mem.slot_other_bytes(slot))
         slot.copies = {}
-        slot.copies = self.load(group, slot.buf, sync=sync)
+        slot.copies = self.load(group, slot.buf, sync=sync, free=slot.free)
         if swap:
             for n, dc in slot.copies.items():
                 self.binding.swap_in(n, dc)
@@ -276,6 +263,14 @@ class Transfers:
         if out is not src:
             self._staged_bytes += host_alloc_size(src.numel() * src.element_size())
         return out, async_ok
+
+    def mark_free(self, slot) -> None:
+        """The group in ``slot`` is done computing (no kernel queued from now on reads it): its
+        free event, which the next copy into the slot waits for (``load``'s ``free``)."""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            slot.free = ev
 
     def order_readers(self, ready) -> None:
         """Every stream that reads the weights waits for the copy that put them there."""

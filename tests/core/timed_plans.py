@@ -1,0 +1,118 @@
+"""Plans of hand-picked and random shapes run by the executor on the simulated accelerator with
+durations, against the timeline's prediction of the same plan (``timeline.predict``).
+
+A stack of MLP blocks (``Block``: hidden width and passes chosen per block) is cut into units;
+a plan is made from a residency given as a string over the units in execution order ("S R S S":
+streamed, resident) with one or two slots of the largest streamed unit's size, and run by a
+``SegmentedExecutor`` directly. Each unit's compute time is its FLOPs (torch's count, as the
+simulator charges them) over the simulated throughput, so the prediction and the simulator see
+the same figures; what is compared is the schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from sim_cuda import flop_seconds
+from toys import seeded
+from vramcut_core import SegmentedExecutor, find_units
+from vramcut_core.planning.plan import PlanOptions, PlanUnit, plan_from_residency  # noqa: F401  (the tests use them)
+from vramcut_core.runtime.layout import layout_of
+
+D, N = 32, 16      # width, tokens
+FLOPS = 1e9        # the simulated device's throughput (FLOP/s)
+
+
+class Block(nn.Module):
+    """An MLP of hidden width ``h`` run ``r`` times: weight 2·D·h floats, 4·N·D·h·r FLOPs."""
+
+    def __init__(self, h: int, r: int = 1) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.r = nn.Linear(D, h), nn.Linear(h, D), r
+
+    def forward(self, x):
+        for _ in range(self.r):
+            x = x + 0.1 * self.fc2(torch.tanh(self.fc1(x)))
+        return x
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@dataclasses.dataclass
+class Case:
+    model: nn.Module
+    x: torch.Tensor
+    ref: torch.Tensor
+    units: list            # PlanUnit, compute times filled
+    lookup: object         # name -> Unit
+
+
+def build(sim, blocks) -> Case:
+    """The stack in host memory, its input, its plain output and its plan units (each with its
+    compute seconds at ``FLOPS``)."""
+    with sim.host_memory(), torch.no_grad():
+        model = seeded(Stack(blocks))
+        x = torch.randn(1, N, D, generator=torch.Generator().manual_seed(1))
+        ref = model(x)
+    us = find_units(model)
+    by_name = {u.name: u for u in us.units}
+    pus = []
+    h = x
+    for u in us.units:
+        mod = model.get_submodule(u.name)
+        with FlopCounterMode(display=False) as fc, sim.host_memory(), torch.no_grad():
+            h = mod(h)
+        pus.append(PlanUnit(u.name, layout_of(u).nbytes, compute_s=fc.get_total_flops() / FLOPS))
+    return Case(model, x, ref, pus, by_name.__getitem__)
+
+
+def plan_of(case: Case, shape: str, slots: int):
+    """The plan with the residency ``shape`` ("S R S": one letter per unit) and ``slots`` slots
+    of the largest streamed unit's size, every unit its own segment."""
+    flags = shape.split()
+    assert len(flags) == len(case.units), (shape, len(case.units))
+    resident = {i for i, f in enumerate(flags) if f == "R"}
+    size = max((u.weight_bytes for i, u in enumerate(case.units) if i not in resident), default=0)
+    budget = sum(case.units[i].weight_bytes for i in resident) + slots * size
+    return plan_from_residency(case.units, budget, PlanOptions(), resident, slots if size else 0, size)
+
+
+def run_calls(sim, case: Case, plan, calls: int = 4, session: bool = True, bps: float = 2e7,
+              latency_s: float = 0.0) -> list[float]:
+    """Simulated seconds of each of ``calls`` forwards of ``plan`` (from one forward's end on the
+    compute stream to the next one's), outputs checked bit-equal."""
+    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS))
+    ex = SegmentedExecutor(case.lookup, "cuda", module=case.model)
+    out = []
+    t = sim.compute.t
+    with torch.no_grad():
+        ctx = ex.session() if session else _null()
+        with ctx:
+            for _ in range(calls):
+                y, _stats, _ = ex.forward(plan, case.model, case.x)
+                assert torch.equal(y, case.ref)
+                end = max(sim.compute.t, sim.host_t)
+                out.append(end - t)
+                t = end
+    ex.release()
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
