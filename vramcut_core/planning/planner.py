@@ -94,6 +94,9 @@ class UnitPlanner:
         parts = split_unit(self.all[name])
         if not parts:
             return None
+        for p in parts:   # known before their bytes are asked (the executor's layout looks them up)
+            self.all[p.name] = p
+            self.parent.setdefault(p.name, name)
         if seconds is not None and name in seconds:
             # the parts share the unit's compute time by their weight bytes (nothing timed them)
             total = sum(self.unit_bytes(p.name) for p in parts) or 1
@@ -101,8 +104,6 @@ class UnitPlanner:
                 seconds[p.name] = seconds[name] * self.unit_bytes(p.name) / total
         parent = meas.get(name) if meas else None
         for p in parts:
-            self.all[p.name] = p
-            self.parent.setdefault(p.name, name)
             if meas is None or parent is None:
                 continue
             # A part needs at most what the whole unit needed, and it ran only if one of its
