@@ -126,22 +126,11 @@ class Engine:
 
     # -- what the engine knows per shape (read-only views of ``shapes``) ---------------------
 
-    @property
-    def measurements(self) -> dict:
-        return self.shapes.measurements()
-
-    @property
-    def traces(self) -> dict[tuple, TraceResult]:
-        return self.shapes.traces()
-
-    @property
-    def device_stats(self) -> dict[str, RunStats]:
-        """Per device, the forwards that ran a placement (several devices; empty on one)."""
-        return self.side.device_stats
-
-    @property
-    def last_device_stats(self) -> dict[str, RunStats]:
-        return self.side.last_device_stats
+    measurements = property(lambda self: self.shapes.measurements())
+    traces = property(lambda self: self.shapes.traces())
+    # per device, the forwards that ran a placement (several devices; empty on one)
+    device_stats = property(lambda self: self.side.device_stats)
+    last_device_stats = property(lambda self: self.side.last_device_stats)
 
     def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> Plan | None:
         s = self._shape(signature(args, kwargs or {}))
@@ -322,48 +311,29 @@ class Engine:
         self.side.fit(tuple((d, refit_budget(b, before.get(d, b))) for d, b in devices))
         self.side.refit = Refit(why, total, sum(before.values()))
 
-    # -- the executors, one per device (``one_device.DeviceSide``) --------------------------
+    # -- the executors, one per device (``one_device.DeviceSide`` says what each does) -------
     def session(self):
-        """Keep device buffers between forwards (a sampling run); release them at the end."""
         return self.side.session()
 
     def release(self) -> None:
         self.side.release()
 
     def wait_copies(self) -> None:
-        """Block the host until every copy issued has landed, on every device (teardown only)."""
         self.side.wait_copies()
 
     def keep_buffers(self, keep: bool) -> None:
-        """Hold device buffers between forwards (a host that ends runs with a callback)."""
         self.side.keep_buffers(keep)
 
     def hold_weights(self, hold: bool) -> None:
-        """With buffers kept, also keep an all-resident plan's weights swapped in between forwards."""
         self.side.hold_weights(hold)
 
     def weights_changed(self) -> None:
-        """The host wrote into the module's weights in place: held device copies are copied again."""
         self.side.weights_changed()
 
-    @property
-    def running(self) -> bool:
-        """A forward of this engine runs now (its hooks hold the module's weights)."""
-        return self.side.running
-
-    @property
-    def device(self) -> torch.device:
-        """The home device: inputs arrive and the output returns there."""
-        return self.executor.device
-
-    @property
-    def held_bytes(self) -> int:
-        """Device bytes the engine holds now (weights kept between forwards), all devices."""
-        return sum(self.side.held_bytes_by_device.values())
-
-    @property
-    def held_bytes_by_device(self) -> dict[str, int]:
-        return self.side.held_bytes_by_device
+    running = property(lambda self: self.side.running)   # a forward of this engine runs now
+    device = property(lambda self: self.executor.device)   # the home device: inputs and output
+    held_bytes = property(lambda self: sum(self.side.held_bytes_by_device.values()))  # held now, all devices
+    held_bytes_by_device = property(lambda self: self.side.held_bytes_by_device)
 
     @property
     def placement(self) -> Placement | None:
@@ -374,26 +344,29 @@ class Engine:
     # -- report ----------------------------------------------------------------------------
 
     def describe(self, plan: Plan | None = None) -> dict:
-        plan = plan or self.last_plan or self.weight_plan()
-        sig = self.last_signature if plan is self.last_plan else None
-        s = self._shape(sig)
-        return {
-            "family": self.unitset.family,
-            "label": self.unitset.label,
-            "stage": "measured" if plan.measured else "weights",
-            "source": plan.source,
-            "trace_reason": s.trace.reason if s is not None and s.trace is not None else None,
-            "signature": describe_signature(sig) if sig else None,
-            "warnings": list(plan.warnings),
-            "text": plan_to_text(plan, stats=self.stats if plan.measured else None,
-                                 steady=self.steady_stats if plan.measured else None) + "".join(
-                f"\nverify {r['signature']}: " + (f"could not run the unpatched forward ({r['error']})" if r["error"]
-                                                  else f"max |segmented - unpatched| = {r['max_abs_diff']:g}")
-                for r in self.verify_results),
-            "plan": self.side.plan_json(s, plan_to_json(plan, self.stats if plan.measured else None,
-                                                        self.steady_stats if plan.measured else None)),
-            "verify": list(self.verify_results),
-        }
+        """The plan (the last forward's by default) as the host shows it: text and JSON."""
+        return _describe(self, plan or self.last_plan or self.weight_plan())
+
+
+def _describe(eng: Engine, plan: Plan) -> dict:
+    sig = eng.last_signature if plan is eng.last_plan else None
+    s = eng._shape(sig)
+    stats, steady = (eng.stats, eng.steady_stats) if plan.measured else (None, None)
+    return {
+        "family": eng.unitset.family,
+        "label": eng.unitset.label,
+        "stage": "measured" if plan.measured else "weights",
+        "source": plan.source,
+        "trace_reason": s.trace.reason if s is not None and s.trace is not None else None,
+        "signature": describe_signature(sig) if sig else None,
+        "warnings": list(plan.warnings),
+        "text": plan_to_text(plan, stats=stats, steady=steady) + "".join(
+            f"\nverify {r['signature']}: " + (f"could not run the unpatched forward ({r['error']})" if r["error"]
+                                              else f"max |segmented - unpatched| = {r['max_abs_diff']:g}")
+            for r in eng.verify_results),
+        "plan": eng.side.plan_json(s, plan_to_json(plan, stats, steady)),
+        "verify": list(eng.verify_results),
+    }
 
 
 __all__ = ["Engine", "EngineConfig", "HostHooks", "BudgetError", "TraceUnavailable"]
