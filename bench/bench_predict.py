@@ -63,7 +63,7 @@ def measure(name: str, model, args, repeat: int) -> dict:
     from vramcut_core.figures import bandwidth
     from vramcut_core.planning.timeline import predict, with_compute_times
 
-    from vramcut_core.planning.plan import BudgetError
+    from vramcut_core.planning.budget import BudgetError
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     try:  # the smallest budget for this shape (activations included), as the node would ask for

@@ -142,7 +142,8 @@ def gib(n: int) -> str:
 
 def run(spec: Model) -> dict:
     import vramcut_core as core
-    from vramcut_core.planning.plan import BudgetError, gib_text, min_budget
+    from vramcut_core.planning.budget import BudgetError, gib_text
+    from vramcut_core.planning.plan import min_budget
 
     t0 = time.perf_counter()
     cfg, dm = build(spec)

@@ -14,15 +14,9 @@ no compiler (...)"``.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "core")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import gpu_common  # (puts the checkout on the import path)
 
 SKIP = "skipped: host has no compiler"
 STEPS = 4
@@ -30,8 +24,7 @@ STEPS = 4
 
 def check(timeout: int = 300) -> dict:
     """The check, run in a child process; its JSON, or why it did not run."""
-    import child
-    return child.run(__file__, timeout)
+    return gpu_common.run(__file__, timeout)
 
 
 def _host():
@@ -79,7 +72,7 @@ def child() -> dict:
         return {"ok": None, "why": why}
     import torch
     from compiler_host import Qwen21Shaped, sample_through_wrappers
-    from gpu_check import time_per_call
+    from gpu_timing import time_per_call
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(1)
@@ -117,11 +110,4 @@ def child() -> dict:
 
 
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        try:
-            res = child()
-        except Exception as e:  # a failure is a result, printed as one
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}"[:800]}
-        print(json.dumps(res))
-    else:
-        print(json.dumps(check(), indent=1))
+    gpu_common.main(__file__, child)

@@ -24,17 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
-import os
 import sys
 import types
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "core")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import gpu_common  # (puts the checkout on the import path)
 
 SKIP = "skipped"
 GIB = 1 << 30
@@ -42,8 +36,7 @@ GIB = 1 << 30
 
 def check(timeout: int = 300) -> dict:
     """The check, run in a child process; its JSON, or why it did not run."""
-    import child
-    return child.run(__file__, timeout)
+    return gpu_common.run(__file__, timeout)
 
 
 def _host():
@@ -240,11 +233,4 @@ def scenario(pack, dev, d: int = 1024, depth: int = 8, steps: int = 3, room_byte
 
 
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        try:
-            res = child()
-        except Exception as e:  # a failure is a result, printed as one
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}"[:800]}
-        print(json.dumps(res))
-    else:
-        print(json.dumps(check(), indent=1))
+    gpu_common.main(__file__, child)

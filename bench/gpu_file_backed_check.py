@@ -19,17 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for p in (ROOT, os.path.join(ROOT, "tests", "core")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
+import gpu_common  # noqa: F401  (puts the checkout on the import path)
 import torch  # noqa: E402
 
 import toys  # noqa: E402
@@ -67,11 +60,11 @@ def _run(model, x, ref, dev, budget, keep: bool, forwards: int, timing=None) -> 
 
 def check(dev, budget_to_stream, d: int = 1024, depth: int = 8, tokens: int = 256, forwards: int = 4,
           inputs_on: torch.device | None = None, host=None, timing=None) -> dict:
-    """Both ways on ``dev`` under ``budget_to_stream(model, inputs, dev)`` (``gpu_check``'s: about
+    """Both ways on ``dev`` under ``budget_to_stream(model, inputs, dev)`` (``gpu_engine_checks``': about
     half the weights streamed, measured on the copy in RAM, as a probe's flat masters would take
     the mapped tensors' place); ``host`` is a context for building host tensors (the
     simulator's); ``timing(engine)``, where given, each way's predicted against measured time per
-    call (``gpu_check.time_per_call``)."""
+    call (``gpu_timing.time_per_call``)."""
     host = host or contextlib.nullcontext
     place = inputs_on if inputs_on is not None else dev
 

@@ -38,6 +38,8 @@ GIB = 1 << 30
 BUDGETS_GIB = (6, 8, 12, 16)
 LINKS = (("PCIe 4.0 x16", 25e9), ("PCIe 5.0 x16", 50e9))
 PAIRS_GIB = (12, 16)  # two GPUs of this many GiB each, against one
+TIER_PAIRS_GIB = ((12, 32), (16, 32), (16, 64), (24, 64))   # (VRAM, RAM) budgets of the host tiers
+DISKS = (("NVMe 3.5 GB/s", 3.5e9), ("NVMe 7 GB/s", 7e9))     # stated sequential read rates (PCIe 4.0 / 5.0 NVMe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,8 @@ def mib(n: int) -> str:
 def time_cells(units, budget: int, options, split_unit=None) -> list[str]:
     """Cells of one budget: for each link, the predicted call as many as fit and by time
     ("T s (R× resident)"), or one cell "refused (needs X)" for every column."""
-    from vramcut_core.planning.plan import BudgetError, make_plan
+    from vramcut_core.planning.budget import BudgetError
+    from vramcut_core.planning.plan import make_plan
     from vramcut_core.planning.residency import by_time
     from vramcut_core.planning.timeline import predict
 
@@ -152,10 +155,39 @@ def time_rows(name: str, units, options, budgets=BUDGETS_GIB, split_unit=None) -
             + " |" for b in budgets]
 
 
+def tier_rows(name: str, units, options, pairs=TIER_PAIRS_GIB, split_unit=None) -> list[str]:
+    """For each (VRAM, RAM) pair: the plan by time on PCIe 4.0 x16, its host tiers under the RAM
+    budget (``tiers.choose``: every weight read from the checkpoint itself, the bounce buffer of a
+    GPU), and the predicted call at each disk's rate (the plan's call plus the reads: not hidden)."""
+    from vramcut_core.planning.plan import BudgetError, make_plan
+    from vramcut_core.planning.residency import by_time
+    from vramcut_core.planning.tiers import HostUnit, bounce_for, choose
+    from vramcut_core.planning.timeline import predict
+    from vramcut_core.runtime import host_memory
+
+    _, bps = LINKS[0]
+    out = []
+    for vram, ram in pairs:
+        label = f"{vram} / {ram} GiB"
+        try:
+            plan = by_time(make_plan(list(units), int(vram * GIB), options, split_unit), bps, options)
+            host = {u.name: HostUnit(u.weight_bytes, u.weight_bytes) for u in plan.units}
+            t = choose(plan, host, int(ram * GIB), bounce_for(host, host_memory.BOUNCE_PIECE, host_memory.BOUNCE_PIECES))
+        except BudgetError as e:
+            need = f"{e.min_budget_gb} GiB" if e.min_budget_gb else "more"
+            out.append(f"| {name} | {label} | refused (needs {need}) | | | " + " | " * len(DISKS))
+            continue
+        step = predict(plan, bps).step_s
+        cells = [f"{secs(step + t.disk_bytes_per_call / rate)}" for _, rate in DISKS]
+        out.append(f"| {name} | {label} | {gib(plan.resident_bytes)} | {gib(t.ram_bytes)} | "
+                   f"{gib(t.disk_bytes_per_call)} | {secs(step)} | " + " | ".join(cells) + " |")
+    return out
+
+
 def placement_rows(name: str, units, options, traced: bool, sizes=PAIRS_GIB, split_unit=None) -> list[str]:
     """For each size: one GPU of it, then two; host-link bytes, hops and hop bytes per call."""
     from vramcut_core.planning.placement import place
-    from vramcut_core.planning.plan import BudgetError
+    from vramcut_core.planning.budget import BudgetError
 
     kind = "traced" if traced else "weights only"
     out = []
@@ -185,7 +217,7 @@ def dry_run(spec, inputs: dict | None = None):
 
     import full_size as fs
     import vramcut_core as core
-    from vramcut_core.planning.plan import BudgetError
+    from vramcut_core.planning.budget import BudgetError
 
     if inputs is not None:
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -246,7 +278,22 @@ kernel-launch gaps are not in it.
 """
 
 
-def document(time_part: list[str], notes: list[str], place_part: list[str], host: str) -> str:
+TIERS = """## VRAM and RAM budgets: blocks read from disk (predicted)
+
+Under `max_ram_gb` each block's host copy is on the GPU (resident: read from the file once), in
+RAM (a flat copy, streamed over the link) or read from disk at every call (through the 128 MiB
+page-locked bounce buffer). Planned by time on PCIe 4.0 x16 (`residency.by_time`), the host tiers
+under the RAM budget by `tiers.choose` (every weight read from the checkpoint itself), the reads
+at an NVMe drive's stated sequential rate. The reads are not hidden behind compute (the reader
+fills the bounce buffer when a copy is issued): the predicted call is the plan's call on the
+link plus the reads. The RAM budget is per model; the page cache is not counted. Cells:
+resident bytes, bytes in RAM, bytes read from disk per call, the call without reads, and with
+them at each drive's rate.
+"""
+
+
+def document(time_part: list[str], notes: list[str], place_part: list[str], host: str,
+             tier_part: list[str] = ()) -> str:
     cols = " | ".join(f"{link}: {kind} (predicted)" for link, _ in LINKS for kind in ("as many as fit", "by time"))
     out = [HEADER.format(host=host),
            f"| model | budget | resident (predicted) | {cols} |", "|---|---|---|" + "---|" * (2 * len(LINKS)),
@@ -262,7 +309,10 @@ def document(time_part: list[str], notes: list[str], place_part: list[str], host
            "did not run, activations not counted.",
            "",
            "| model | GPUs | host-link bytes per call | hops | hop bytes per call | figures |",
-           "|---|---|---|---|---|---|", *place_part]
+           "|---|---|---|---|---|---|", *place_part, "", TIERS,
+           "| model | VRAM / RAM | resident | in RAM | read from disk per call | call, no reads (predicted) | "
+           + " | ".join(f"call at {d} (predicted)" for d, _ in DISKS) + " |",
+           "|---|---|---|---|---|---|" + "---|" * len(DISKS), *tier_part]
     return "\n".join(out) + "\n"
 
 
@@ -278,7 +328,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     options = PlanOptions()
     pub = {p.model: p for p in PUBLISHED}
-    time_part, notes, place_part = [], [], []
+    time_part, notes, place_part, tier_part = [], [], [], []
     for spec in fs.MODELS:
         if a.only and a.only.lower() not in spec.name.lower():
             continue
@@ -299,13 +349,14 @@ def main(argv: list[str]) -> int:
             scale = total_flops(meas) / total_flops(at_pub)
         timed = timed_units(units, meas, p.per_call_s, scale)
         time_part += time_rows(spec.name, timed, options, split_unit=split)
+        tier_part += tier_rows(spec.name, timed, options, split_unit=split)
         scaled = f"; × {scale:.3f} (dry-run FLOPs at {spec.shape} over {p.shape}) = {secs(p.per_call_s * scale)} " \
                  f"per call" if p.inputs is not None else ""
         notes.append(f"- **{spec.name}** ({spec.shape}): {secs(p.per_call_s)} per call{scaled}. Source: {p.source}: "
                      f"{p.note}.")
         print(f"{spec.name}: done at {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     host, _ = fs.host_and_attention()
-    print(document(time_part, notes, place_part, host))
+    print(document(time_part, notes, place_part, host, tier_part))
     print(docgen.stamp("COMFYUI_PATH=... python bench/predict_table.py > docs/predicted.md",
                        f"The page took {time.perf_counter() - t0:.0f} s."))
     return 0

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import GIB, fmt_bytes, parse_devices
+from ..vramcut_core import GIB, parse_devices
 from .errors import VRAMCutError
 
 DEVICES_TYPE = "VRAMCUT_DEVICES"  # the socket type between the Devices node and the Max VRAM nodes
@@ -35,9 +36,32 @@ def device_name(device) -> str:
     return str(dev)
 
 
+def memory_word(device) -> str:
+    """What a device's memory is called in a message: VRAM on a GPU, memory on the CPU."""
+    return "memory" if torch.device(device).type == "cpu" else "VRAM"
+
+
 def main_device() -> str:
     """The host's main device, where inputs arrive and the output returns."""
     return device_name(mm.get_torch_device())
+
+
+def host_devices() -> list[str]:
+    """The devices this host computes on, its main device first: each GPU it counts, or the CPU."""
+    main = main_device()
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    return [main] + [g for g in gpus if g != main]
+
+
+def default_text() -> str:
+    """The Devices node's default: every device of this host at its free memory (a list naming
+    devices the host does not have would be refused on the first run)."""
+    return ", ".join(f"{d}=free" for d in host_devices())
+
+
+def total_memory(name: str) -> int:
+    """``name``'s total memory in bytes (the host's answer: its VRAM, or the machine's RAM)."""
+    return int(mm.get_total_memory(torch.device(name)))
 
 
 def host_knows(name: str) -> bool:
@@ -62,18 +86,27 @@ class Devices:
         r = self.reserve_gb
         if not isinstance(r, (int, float)) or isinstance(r, bool) or math.isnan(r) or math.isinf(r) or r < 0:
             raise VRAMCutError(f"devices: reserve_gb must be a number of GiB, not negative, got {r!r}")
+        main = main_device()
+        text = str(self.text)
+        if re.fullmatch(r"\s*(free|\d+(\.\d*)?|\.\d+)\s*", text, re.IGNORECASE):
+            text = f"{main}={text.strip()}"  # a budget alone ("free", "8") is the main device's
         try:
-            out = parse_devices(str(self.text), known=host_knows, free=True)
+            out = parse_devices(text, known=host_knows, free=True)
         except ValueError as e:
             raise VRAMCutError(str(e)) from None
-        main = main_device()
         if main not in (d for d, _ in out):
             raise VRAMCutError(f"devices: the host's main device {main} is not in the list ({self.text.strip()}): "
                                f"inputs arrive and the output returns there; add it, e.g. {main}=free")
         return out
 
     def validate(self) -> "Devices":
-        self.entries()
+        """The entries checked, and a reserve no ``free`` device can leave room beside (said
+        before any model loads, not when the first one runs)."""
+        for name, b in self.entries():
+            total = total_memory(name) if b is None else 0
+            if b is None and self.reserve_gb * GIB >= total:
+                raise VRAMCutError(f"devices: {name}=free: reserve_gb {self.reserve_gb:.3f} GiB is not less than "
+                                   f"{name}'s total {memory_word(name)} ({total / GIB:.3f} GiB): no budget would be left")
         return self
 
     def budgets(self, home, free_memory=None, held=None) -> tuple[tuple[str, int], ...]:
@@ -92,8 +125,8 @@ class Devices:
                 free = int(ask(torch.device(name))) + int((held or {}).get(name, 0))
                 b = free - int(self.reserve_gb * GIB)
                 if b <= 0:
-                    raise VRAMCutError(f"devices: {name}=free: free VRAM {fmt_bytes(free)} minus reserve "
-                                       f"{self.reserve_gb:g} GiB leaves no budget")
+                    raise VRAMCutError(f"devices: {name}=free: free {memory_word(name)} {free / GIB:.3f} GiB minus "
+                                       f"reserve {self.reserve_gb:.3f} GiB leaves no budget")
             out.append((name, int(b)))
         return tuple(out)
 

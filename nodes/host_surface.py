@@ -79,6 +79,8 @@ SURFACE: tuple[Use, ...] = (
     Use("comfy.model_management.get_free_memory", params=("dev",), kind="callable",
         note="budget mode 'free VRAM minus reserve'; the 0.3.x sampler's cond batching",
         newest=MM_SAME + ": get_free_memory(dev=None, torch_free_too=False)"),
+    Use("comfy.model_management.get_total_memory", params=("dev",), kind="callable",
+        note="a Devices node's reserve_gb checked against each 'free' device's total memory before any model loads"),
     Use("comfy.model_management.get_torch_device", kind="callable",
         note="a patcher for old upscale models; the host's main device, which a devices list must name",
         newest=MM_SAME),

@@ -12,10 +12,11 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 from ..vramcut_core import BudgetError, TraceUnavailable
-from .state import MODES, NodeReport, Settings, VRAMCutError
+from .report import NodeReport
+from .state import MODES, Settings, VRAMCutError
 from .patching import patch_clip, patch_clip_vision, patch_model, patch_upscale_model, patch_vae
 from .preview import SHAPE_TYPE, CannotPreview, Shape, preview, traced_at
-from .devices import DEVICES_TYPE, Devices
+from .devices import DEVICES_TYPE, Devices, default_text
 
 ShapeIO = io.Custom(SHAPE_TYPE)
 DevicesIO = io.Custom(DEVICES_TYPE)
@@ -54,7 +55,7 @@ def _budget_inputs() -> list:
 
 def _settings(kw) -> Settings:
     return Settings(kw["max_vram_gb"], kw["budget_mode"], kw["reserve_gb"], kw["prefetch"], kw["residency"],
-                    devices=kw.get("devices")).validate()
+                    devices=kw.get("devices"), max_ram_gb=kw.get("max_ram_gb") or 0.0).validate()
 
 
 def _preview_input() -> list:
@@ -68,7 +69,12 @@ def _preview_input() -> list:
             DevicesIO.Input("devices", optional=True,
                             tooltip="Connect 'Devices (VRAMCut)' to place each model's blocks across several "
                                     "GPUs, each under its own budget (they replace max_vram_gb and budget_mode; "
-                                    "0 still turns VRAMCut off). Without it: one GPU, max_vram_gb's budget.")]
+                                    "0 still turns VRAMCut off). Without it: one GPU, max_vram_gb's budget."),
+            io.Float.Input("max_ram_gb", default=0.0, min=0.0, max=4096.0, step=0.5, round=0.001, optional=True,
+                           tooltip="RAM budget in GiB for each connected model's weights in host memory. What "
+                                   "does not fit is read from its file on disk at every step (the checkpoint "
+                                   "itself where it holds the weights as loaded, else a cache file VRAMCut "
+                                   "writes once). 0: no RAM budget (the weights that stream stay in RAM).")]
 
 
 def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None:
@@ -78,6 +84,12 @@ def _preview(kind: str, patched, shape: Shape, report: NodeReport) -> str | None
     try:
         engine, plan = preview(kind, patched, shape)
     except (CannotPreview, TraceUnavailable) as e:
+        refused = report.deferred.get(kind)
+        if refused is not None:  # no preview to ask: the weights' refusal stands
+            msg = f"{kind}: {refused}"
+            log.warning("VRAMCut: %s", msg)
+            report.fail(msg, refused, kind=kind)
+            return None
         msg = f"{kind}: no plan preview at {at} ({e}); the plan shown is the weights estimate"
         log.warning("VRAMCut: %s", msg)
         return msg
@@ -101,6 +113,7 @@ def _apply(unique_id, kw, pairs, shape: Shape | None = None):
         log.error("VRAMCut: %s", e)
         raise
     report = NodeReport(unique_id, settings)
+    report.previewing = shape is not None
     if not settings.enabled:
         report.notice("VRAMCut is off (max_vram_gb = 0): inputs pass through")
         return [v for _, v, _ in pairs], report.payload
@@ -142,28 +155,36 @@ def _execute(node_cls, budget: dict, pairs, shape: Shape | None) -> io.NodeOutpu
     return io.NodeOutput(*out, ui={UI_KEY: [payload]})
 
 
+MAX_VRAM_DESCRIPTION = (
+    "Run MODEL, CLIP and VAE under one VRAM budget: each model's forward is cut at block boundaries, as many "
+    "blocks stay on the GPU as fit, the rest stream in while the previous block computes. The plan is drawn on "
+    "the node and updates when sampling, encoding or decoding measures the real shapes. Results are tested "
+    "bit-equal to the unpatched model's on CPU and on a simulated GPU; VRAMCUT_VERIFY=1 checks them on yours.")
+
+EXTRAS_DESCRIPTION = ("Max VRAM for upscale models and CLIP vision encoders: the same block-level budgeted "
+                      "execution as the Max VRAM node.")
+
+
+def _sockets(table) -> tuple[list, list]:
+    """The model inputs and the patched outputs of a Max VRAM node, from (type, name, what the
+    input takes, what the output gives) rows."""
+    return ([t.Input(name, optional=True, tooltip=takes) for t, name, takes, _ in table],
+            [t.Output(display_name=name, tooltip=f"{gives} (None when not connected)") for t, name, _, gives in table])
+
+
 class VRAMCutMaxVRAM(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return _schema(
-            "VRAMCutMaxVRAM", "Max VRAM (VRAMCut)",
-            "Run MODEL, CLIP and VAE under one VRAM budget: each model's forward is cut at block "
-            "boundaries, as many blocks stay on the GPU as fit, the rest stream in while the previous "
-            "block computes. The plan is drawn on the node and updates when sampling, encoding or "
-            "decoding measures the real shapes. Results are tested bit-equal to the unpatched model's on "
-            "CPU and on a simulated GPU; VRAMCUT_VERIFY=1 checks them on yours.",
-            [io.Model.Input("model", optional=True, tooltip="diffusion model to run under the budget"),
-             io.Clip.Input("clip", optional=True, tooltip="text encoder(s) to run under the budget"),
-             io.Vae.Input("vae", optional=True, tooltip="VAE to run under the budget (decode and encode)")],
-            [io.Model.Output(display_name="model", tooltip="the patched MODEL (None when not connected)"),
-             io.Clip.Output(display_name="clip", tooltip="the patched CLIP (None when not connected)"),
-             io.Vae.Output(display_name="vae", tooltip="the patched VAE (None when not connected)")])
+        return _schema("VRAMCutMaxVRAM", "Max VRAM (VRAMCut)", MAX_VRAM_DESCRIPTION, *_sockets((
+            (io.Model, "model", "diffusion model to run under the budget", "the patched MODEL"),
+            (io.Clip, "clip", "text encoder(s) to run under the budget", "the patched CLIP"),
+            (io.Vae, "vae", "VAE to run under the budget (decode and encode)", "the patched VAE"))))
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                model=None, clip=None, vae=None, preview_shape=None, devices=None) -> io.NodeOutput:
+                model=None, clip=None, vae=None, preview_shape=None, devices=None, max_ram_gb=0.0) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                      prefetch=prefetch, residency=residency, devices=devices)
+                      prefetch=prefetch, residency=residency, devices=devices, max_ram_gb=max_ram_gb)
         return _execute(cls, budget, [("MODEL", model, patch_model), ("CLIP", clip, patch_clip),
                                       ("VAE", vae, patch_vae)], preview_shape)
 
@@ -171,37 +192,44 @@ class VRAMCutMaxVRAM(io.ComfyNode):
 class VRAMCutMaxVRAMExtras(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return _schema(
-            "VRAMCutMaxVRAMExtras", "Max VRAM for upscale / CLIP vision (VRAMCut)",
-            "Max VRAM for upscale models and CLIP vision encoders: the same block-level budgeted "
-            "execution as the Max VRAM node.",
-            [io.UpscaleModel.Input("upscale_model", optional=True, tooltip="ESRGAN-family upscale model"),
-             io.ClipVision.Input("clip_vision", optional=True, tooltip="CLIP vision encoder")],
-            [io.UpscaleModel.Output(display_name="upscale_model",
-                                    tooltip="the patched upscale model (None when not connected)"),
-             io.ClipVision.Output(display_name="clip_vision",
-                                  tooltip="the patched CLIP vision model (None when not connected)")])
+        return _schema("VRAMCutMaxVRAMExtras", "Max VRAM for upscale / CLIP vision (VRAMCut)", EXTRAS_DESCRIPTION,
+                       *_sockets(((io.UpscaleModel, "upscale_model", "ESRGAN-family upscale model",
+                                   "the patched upscale model"),
+                                  (io.ClipVision, "clip_vision", "CLIP vision encoder", "the patched CLIP vision model"))))
 
     @classmethod
     def execute(cls, max_vram_gb, budget_mode, reserve_gb, prefetch, residency,
-                upscale_model=None, clip_vision=None, preview_shape=None, devices=None) -> io.NodeOutput:
+                upscale_model=None, clip_vision=None, preview_shape=None, devices=None,
+                max_ram_gb=0.0) -> io.NodeOutput:
         budget = dict(max_vram_gb=max_vram_gb, budget_mode=budget_mode, reserve_gb=reserve_gb,
-                      prefetch=prefetch, residency=residency, devices=devices)
+                      prefetch=prefetch, residency=residency, devices=devices, max_ram_gb=max_ram_gb)
         return _execute(cls, budget, [("UPSCALE_MODEL", upscale_model, patch_upscale_model),
                                       ("CLIP_VISION", clip_vision, patch_clip_vision)], preview_shape)
+
+
+def _helper_schema(node_id: str, display_name: str, description: str, inputs: list, output) -> io.Schema:
+    """The helper nodes (Preview shape, Devices): one output that feeds a Max VRAM node."""
+    return io.Schema(node_id=node_id, display_name=display_name, category="VRAMCut", description=description,
+                     inputs=inputs, outputs=[output])
+
+
+SHAPE_DESCRIPTION = (
+    "The shape a Max VRAM node previews its plan at: connect it to 'preview_shape' and the node draws, without "
+    "running anything, the plan with activations for this width, height, frames and batch, marked 'traced'. A "
+    "MODEL is previewed with the positive and negative prompt batched (CFG above 1); turn cfg_batch off for CFG 1 "
+    "or a distilled model.")
+
+DEVICES_DESCRIPTION = (
+    "The GPUs a Max VRAM node may place a model's blocks on, each with its own budget: connect it to 'devices'. "
+    "Runs of blocks go to each GPU in the order given; only the activations crossing a cut move between GPUs. Its "
+    "budgets replace the Max VRAM node's max_vram_gb (0 there still turns VRAMCut off) and budget_mode.")
 
 
 class VRAMCutPreviewShape(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="VRAMCutPreviewShape", display_name="Preview shape (VRAMCut)", category="VRAMCut",
-            description="The shape a Max VRAM node previews its plan at: connect it to 'preview_shape' and "
-                        "the node draws, without running anything, the plan with activations for this "
-                        "width, height, frames and batch, marked 'traced'. A MODEL is previewed with the "
-                        "positive and negative prompt batched (CFG above 1); turn cfg_batch off for CFG 1 "
-                        "or a distilled model.",
-            inputs=[
+        return _helper_schema(
+            "VRAMCutPreviewShape", "Preview shape (VRAMCut)", SHAPE_DESCRIPTION, [
                 io.Int.Input("width", default=1024, min=8, max=16384, step=8,
                              tooltip="image or video width in pixels, as in the empty latent node"),
                 io.Int.Input("height", default=1024, min=8, max=16384, step=8,
@@ -219,8 +247,7 @@ class VRAMCutPreviewShape(io.ComfyNode):
                                          "the batch. Off for CFG 1 and distilled models (one prompt per call). "
                                          "The CLIP and the VAE are previewed at the batch alone."),
             ],
-            outputs=[ShapeIO.Output(display_name="preview_shape",
-                                    tooltip="connect to a Max VRAM node's preview_shape")])
+            ShapeIO.Output(display_name="preview_shape", tooltip="connect to a Max VRAM node's preview_shape"))
 
     @classmethod
     def execute(cls, width, height, frames, batch, cfg_batch=True) -> io.NodeOutput:
@@ -233,26 +260,30 @@ class VRAMCutPreviewShape(io.ComfyNode):
 class VRAMCutDevices(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="VRAMCutDevices", display_name="Devices (VRAMCut)", category="VRAMCut",
-            description="The GPUs a Max VRAM node may place a model's blocks on, each with its own budget: "
-                        "connect it to 'devices'. Runs of blocks go to each GPU in the order given; only "
-                        "the activations crossing a cut move between GPUs.",
-            inputs=[
-                io.String.Input("devices", default="cuda:0=10, cuda:1=6",
-                                tooltip="DEVICE=GIB, comma-separated, e.g. cuda:0=10, cuda:1=6. A budget may be "
-                                        "'free': the device's free VRAM less reserve_gb. ComfyUI's main GPU "
-                                        "must be in the list (inputs and outputs live there)."),
+        return _helper_schema(
+            "VRAMCutDevices", "Devices (VRAMCut)", DEVICES_DESCRIPTION, [
+                io.String.Input("devices", default=default_text(),
+                                tooltip="DEVICE=GIB, comma-separated, e.g. cuda:0=10, cuda:1=6 (by default this "
+                                        "machine's devices). A budget may be 'free': the device's free VRAM less "
+                                        "reserve_gb; a budget alone ('free', '8') is the main device's. ComfyUI's "
+                                        "main GPU must be in the list (inputs and outputs live there)."),
                 io.Float.Input("reserve_gb", default=1.0, min=0.0, max=1024.0, step=0.05, round=0.001,
                                tooltip="GiB left free on each device whose budget is 'free', for other "
                                        "programs and ComfyUI."),
             ],
-            outputs=[DevicesIO.Output(display_name="devices", tooltip="connect to a Max VRAM node's devices")])
+            DevicesIO.Output(display_name="devices", tooltip="connect to a Max VRAM node's devices"))
 
     @classmethod
     def execute(cls, devices, reserve_gb) -> io.NodeOutput:
-        # checked here and again where the Max VRAM node runs: a message on this node first
-        return io.NodeOutput(Devices(devices, reserve_gb).validate())
+        # Checked here, before any model loads, and said on this node (its ui); the Max VRAM node
+        # it feeds checks again and refuses with the same message on its own plan.
+        out = Devices(devices, reserve_gb)
+        try:
+            out.validate()
+        except VRAMCutError as e:
+            log.error("VRAMCut: %s", e)
+            return io.NodeOutput(out, ui={UI_KEY: [{"message": str(e)}]})
+        return io.NodeOutput(out, ui={UI_KEY: [{"message": None, "devices": out.to_json()}]})
 
 
 NODES = [VRAMCutMaxVRAM, VRAMCutMaxVRAMExtras, VRAMCutPreviewShape, VRAMCutDevices]

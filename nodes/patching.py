@@ -21,7 +21,8 @@ from .compiler import compiler_off
 from .devices import CFG_SPLIT_REFUSED, multigpu_clones
 from .gpu import held_bytes
 from .patcher import plain_patcher, to_vramcut_patcher
-from .state import KEY, NodeReport, PatchState, Settings, VRAMCutError
+from .report import NodeReport
+from .state import KEY, PatchState, Settings, VRAMCutError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def patch_model(model, settings: Settings, report: NodeReport):
         clone.remove_wrappers_with_key(WrappersMP.CALC_COND_BATCH, KEY)
         clone.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, KEY, _CondBatchWrapper(state))
     engine = state.engine(clone.model.diffusion_model, clone.load_device)
-    report.set("MODEL", engine, engine.weight_plan())
+    report.weights("MODEL", engine)
     return clone
 
 
@@ -221,7 +222,7 @@ def patch_clip(clip, settings: Settings, report: NodeReport):
     state.keep_resident = tuple(u.name for u in find_units(base.cond_stage_model).units
                          if any(p == q or p.startswith(q + ".") for p in emb_paths for q, _ in u.roots))
     engine = state.engine(base.cond_stage_model, base.patcher.load_device)
-    report.set("CLIP", engine, engine.weight_plan())
+    report.weights("CLIP", engine)
     return base
 
 
@@ -306,7 +307,7 @@ def _patched_copy(obj, cls, kind: str, model_attr: str, settings: Settings, repo
     setattr(new, model_attr, new.patcher.model)
     new._vramcut = state
     engine = state.engine(new.patcher.model, new.patcher.load_device)
-    report.set(kind, engine, engine.weight_plan())
+    report.weights(kind, engine)
     return new
 
 
@@ -332,7 +333,7 @@ def patch_upscale_model(upscale_model, settings: Settings, report: NodeReport):
     new.patcher = to_vramcut_patcher(patcher, state)
     new._vramcut_device = new.patcher.load_device
     engine = state.engine(module, new.patcher.load_device)
-    report.set("UPSCALE_MODEL", engine, engine.weight_plan())
+    report.weights("UPSCALE_MODEL", engine)
     return new
 
 

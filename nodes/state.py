@@ -1,9 +1,8 @@
-"""The shared state of one Max VRAM node's patches: the settings and the budget they give, the
-payload the node shows (live plan events), and ``PatchState``, shared by a patched object and
-all its clones, which owns one engine per module it runs and turns budget errors into the
-node's message. The one rule: a budget that cannot hold a call is a clear error naming what
+"""The shared state of one Max VRAM node's patches: the settings and the budget they give, and
+``PatchState``, shared by a patched object and all its clones, which owns one engine per module
+it runs and turns budget errors into the node's message (shown through ``report``). The one rule: a budget that cannot hold a call is a clear error naming what
 does not fit (an out-of-memory error only where the host has a smaller fallback). May call the
-engine's public face, ``lora`` (device merges), ``gpu`` (the host's own GPU use) and ``compiler``.
+engine's public face, ``report`` (the node's payload), ``lora`` (device merges), ``gpu`` (the host's own GPU use) and ``compiler``.
 """
 from __future__ import annotations
 
@@ -17,22 +16,20 @@ import torch
 
 import comfy.model_management as mm
 
-from ..vramcut_core import (GIB, BudgetError, Engine, EngineConfig, cost_to_json, gib_text, host_to_device,
-                            signature)
+from ..vramcut_core import GIB, BudgetError, Engine, EngineConfig, RamBudgetError, gib_text, signature
 from .compiler import compiler_off
-from .devices import Devices, device_name
+from .devices import Devices, device_name, memory_word
 from .errors import VRAMCutError, VRAMCutOOM
 from .gpu import host_hooks, may_page_lock
 from .lora import DeviceMerge
+from .report import NodeReport
 
 log = logging.getLogger("vramcut")
 
 KEY = "vramcut"            # wrapper / callback / attachment key
-EVENT = "vramcut.plan"     # server event the web extension listens to
 MODES = ("fixed", "free VRAM minus reserve")
 
-__all__ = ["KEY", "EVENT", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "NodeReport", "PatchState", "Previewed",
-           "inputs_text", "state_of"]
+__all__ = ["KEY", "MODES", "VRAMCutError", "VRAMCutOOM", "Settings", "PatchState", "Previewed", "state_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +40,10 @@ class Settings:
     prefetch: bool = True
     residency: bool = True
     devices: Devices | None = None  # the Devices node's budgets, one per device; None: max_vram_gb's
+    max_ram_gb: float = 0.0         # host RAM for the models' weights (the rest is read from disk); 0: no budget
 
     def validate(self) -> "Settings":
-        for name in ("max_vram_gb", "reserve_gb"):
+        for name in ("max_vram_gb", "reserve_gb", "max_ram_gb"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v):
                 raise VRAMCutError(f"{name} must be a number of GiB, got {v!r}")
@@ -72,7 +70,8 @@ class Settings:
             free = int((free_memory or mm.get_free_memory)(device))
             b = free - int(self.reserve_gb * GIB)
             if b <= 0:
-                raise VRAMCutError(f"free VRAM {free / GIB:.3f} GiB minus reserve {self.reserve_gb:.3f} GiB leaves no budget")
+                raise VRAMCutError(f"free {memory_word(device)} {free / GIB:.3f} GiB minus reserve {self.reserve_gb:.3f} GiB "
+                                   "leaves no budget")
             b = min(b, int(self.max_vram_gb * GIB))  # max_vram_gb caps it (0 is off: never here)
         if b <= 0 and self.max_vram_gb > 0:
             raise VRAMCutError(f"max_vram_gb = {self.max_vram_gb:g} is less than one byte: give the budget in "
@@ -106,174 +105,6 @@ class Previewed(Exception):
         self.engine, self.plan = engine, plan
 
 
-def _budget_figures(error: Exception | None) -> dict:
-    """The budget that would work, where the error knows it (the node offers it as the fix):
-    ``min_budget_bytes`` (the smallest budget, or a lower bound: ``min_budget_exact``) and
-    ``need_bytes`` (what one unit alone needs)."""
-    out = {}
-    if getattr(error, "device_budgets", None):   # with devices the fix is each device's budget
-        return {"device_budgets": [list(p) for p in error.device_budgets], "min_budget_exact": error.exact}
-    for key in ("min_budget_bytes", "need_bytes"):
-        v = getattr(error, key, None)
-        if isinstance(v, int) and v > 0:
-            out[key] = v
-    if "min_budget_bytes" in out:
-        out["min_budget_exact"] = bool(getattr(error, "exact", False))
-    return out
-
-
-def _size(shape: tuple) -> str:
-    """The spatial size of a latent or an image (the last two dimensions): "64×64"."""
-    return "×".join(str(s) for s in shape[-2:])
-
-
-def inputs_text(kind: str, sig: tuple) -> str | None:
-    """The call's inputs as a user knows them ("latent 64×64, batch 2 · text 77 tokens · 20
-    steps"), from the engine's signature (tensor paths, shapes, dtypes): the adapter knows which
-    argument of each model's call is which; the engine's own description stays generic. None
-    when nothing is recognised."""
-    by = {p: shape for p, shape, _ in sig}
-    parts = []
-    if kind == "CLIP":
-        n = max((shape[1] for p, shape, _ in sig if p.startswith("tokens") and len(shape) == 2), default=None)
-        return f"text {n} tokens" if n else None
-    x = by.get("arg0") or by.get("x") or by.get("samples")
-    if x is not None and len(x) >= 3:
-        # a VAE decodes a latent and encodes an image (three channels)
-        what = {"MODEL": "latent", "VAE": "image" if x[1] == 3 else "latent"}.get(kind, "image")
-        frames = f", {x[2]} frames" if len(x) == 5 else ""
-        parts.append(f"{what} {_size(x)}{frames}, batch {x[0]}")
-    if kind == "MODEL":
-        ctx = by.get("c_crossattn") or by.get("context") or by.get("arg3") or by.get("arg2")
-        if ctx is not None and len(ctx) == 3:
-            parts.append(f"text {ctx[1]} tokens")
-        sigmas = next((shape for p, shape, _ in sig if p.endswith("sample_sigmas")), None)
-        if sigmas and sigmas[0] > 1:
-            parts.append(f"{sigmas[0] - 1} steps")
-    return " · ".join(parts) or None
-
-
-class NodeReport:
-    """The payload one Max VRAM node shows: one entry per patched model, updated live."""
-
-    def __init__(self, node_id: str | None, settings: Settings) -> None:
-        self.node_id = node_id
-        self.payload: dict = {"budget_bytes": int(settings.max_vram_gb * GIB) if settings.budget_mode == "fixed" else None,
-                              "enabled": settings.enabled, "message": None, "message_level": None,
-                              "models": []}
-        if settings.devices is not None:  # the header names each device's budget (only with devices)
-            self.payload["devices"] = settings.devices.to_json()
-        self._index: dict[str, int] = {}
-
-    def set(self, kind: str, engine: Engine, plan=None, traced_at: str | None = None) -> None:
-        """Show ``plan`` (the engine's latest by default) as ``kind``'s entry; ``traced_at``: the
-        plan is a preview's, traced at that shape (stage "traced", the label the node draws)."""
-        d = engine.describe(plan)
-        # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
-        d["plan"]["cost"] = cost_to_json(d["plan"], host_to_device(engine.device))
-        _per_device_answer(d["plan"])
-        sig = engine.last_signature if d["signature"] else None
-        entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],
-                 "signature": d["signature"], "inputs": inputs_text(kind, sig) if sig else None,
-                 "warnings": d["warnings"], "text": d["text"], "plan": d["plan"],
-                 "verify": d.get("verify") or []}
-        if traced_at is not None:
-            entry.update(stage="traced", traced_at=traced_at)
-        t = time_answer(d["plan"].get("time"))
-        if t is not None:
-            entry["time"] = t
-        if isinstance(d["plan"].get("refit"), dict):
-            entry["refit"] = d["plan"]["refit"]
-        if kind in self._index:
-            self.payload["models"][self._index[kind]] = entry
-        else:
-            self._index[kind] = len(self.payload["models"])
-            self.payload["models"].append(entry)
-        self.payload["budget_bytes"] = engine.config.budget_bytes
-        self.send()
-
-    def fail(self, message: str, error: Exception | None = None, kind: str | None = None) -> None:
-        """The node's state becomes the error; ``kind``: the model whose call was refused (its
-        entry is marked ``refused`` and carries its own smallest budget, so the node does not show
-        the plan drawn before the run). With several refused models the node's message is each
-        one's, and its figure the largest: each model gets the whole budget in turn, so that one
-        number makes every connected model fit."""
-        figures = _budget_figures(error)
-        entry = self.payload["models"][self._index[kind]] if kind in self._index else None
-        if entry is None:
-            self.payload["message"], self.payload["message_level"] = message, "error"
-            self.payload.update(figures)
-            self.send()
-            return
-        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact", "device_budgets"):
-            entry.pop(key, None)
-        entry.update(refused=True, message=message, **figures)
-        refused = [m for m in self.payload["models"] if m.get("refused")]
-        self.payload["message"], self.payload["message_level"] = "; ".join(m["message"] for m in refused), "error"
-        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact", "device_budgets"):
-            self.payload.pop(key, None)
-        mins = [m["min_budget_bytes"] for m in refused if "min_budget_bytes" in m]
-        needs = [m["need_bytes"] for m in refused if "min_budget_bytes" not in m and "need_bytes" in m]
-        if mins:
-            self.payload["min_budget_bytes"] = max(mins)
-            # the smallest for all only when each one's is the smallest for it
-            self.payload["min_budget_exact"] = not needs and all(m.get("min_budget_exact") for m in refused)
-        if needs:
-            self.payload["need_bytes"] = max(needs)
-        self.send()
-
-    def notice(self, message: str) -> None:
-        self.payload["message"], self.payload["message_level"] = message, "notice"
-
-    def send(self) -> None:
-        if self.node_id is None:
-            return
-        try:
-            from server import PromptServer  # ComfyUI's server; absent in plain library use
-            inst = getattr(PromptServer, "instance", None)
-        except Exception:
-            inst = None
-        if inst is not None:
-            try:
-                inst.send_sync(EVENT, {"node": str(self.node_id), "payload": self.payload,
-                                       "prompt_id": getattr(inst, "last_prompt_id", None)})
-            except Exception as e:  # a UI update must never break a run
-                log.debug("vramcut: could not send plan event: %s", e)
-
-
-def _per_device_answer(plan: dict) -> None:
-    """With the plan placed across devices (its "devices", contract of the plan JSON): the answer
-    line's verdict is every device within its own budget, and the hops per call join it."""
-    devices = plan.get("devices")
-    if not isinstance(devices, list) or not devices:
-        return
-    cost = plan.setdefault("cost", {})
-    cost["fits"] = all(int(d.get("peak_bytes") or 0) <= int(d.get("budget_bytes") or 0) for d in devices)
-    cost["devices"] = len(devices)
-    cost["hops_per_call"] = plan.get("hops_per_call")
-    cost["hop_bytes_per_call"] = plan.get("hop_bytes_per_call")
-
-
-def time_answer(time: dict | None) -> dict | None:
-    """The node's time line from the plan's "time" (seconds per call): before a call, the time the
-    plan is predicted to add over all-resident and the ratio; after one, the measured time and
-    the prediction's error ((predicted - measured) / measured). None where nothing was predicted."""
-    if not isinstance(time, dict):
-        return None
-    pred, res = time.get("predicted_s"), time.get("resident_s")
-    if not isinstance(pred, (int, float)) or not isinstance(res, (int, float)):
-        return None
-    out = {"predicted_s": float(pred), "resident_s": float(res), "added_s": max(0.0, float(pred) - float(res)),
-           "ratio": float(pred) / float(res) if res > 0 else None, "source": time.get("source"),
-           "measured_s": None, "error": None}
-    meas = time.get("measured_s")
-    if isinstance(meas, (int, float)) and meas > 0:
-        out["measured_s"] = float(meas)
-        err = time.get("error")
-        out["error"] = float(err) if isinstance(err, (int, float)) else (float(pred) - float(meas)) / float(meas)
-    return out
-
-
 class PatchState:
     """Shared by a patched object and all its clones (ComfyUI copies attachments by calling
     ``on_model_patcher_clone``). Owns one engine per module it runs."""
@@ -300,7 +131,8 @@ class PatchState:
         eng = self._engines.get(module)
         if eng is None or eng.device != dev:
             cfg = EngineConfig(**self._budget(dev), prefetch=self.settings.prefetch, residency=self.settings.residency,
-                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk)
+                               keep_resident=self.keep_resident, pin_memory=may_page_lock(), keep_file_backed=self.fast_disk,
+                               ram_budget_bytes=int(self.settings.max_ram_gb * GIB) or None)
             eng = Engine(module, cfg, on_plan=lambda e, plan, sig: self.report.set(self.kind, e, plan),
                          host=host_hooks(dev))
             for w in eng.unitset.warnings:
@@ -426,18 +258,20 @@ class PatchState:
         except BudgetError as e:
             fallback = _host_fallback(self.kind, fn, args)
             if fallback is False and self.kind == "VAE":
-                msg = (f"VRAMCut: {e}. ComfyUI's tiled fallback would run this VAE call at the same size "
+                msg = (f"{self.kind}: {e}. ComfyUI's tiled fallback would run this VAE call at the same size "
                        f"(the input is no larger than one tile), so it cannot help: raise max_vram_gb")
             else:
-                msg = f"VRAMCut: {e}"
+                msg = f"{self.kind}: {e}"  # the banner joins several models' messages: each names its own
             self.report.fail(msg, e, kind=self.kind)
             # the error panel leads with the fix, the number the node shows
             lead = msg
             to = "to" if getattr(e, "exact", False) else "to at least"  # "at least": a lower bound only
             if getattr(e, "device_budgets", None):   # the devices replace max_vram_gb: name each one
                 lead = f"Devices: set {to} {', '.join(f'{d}={gib_text(b)}' for d, b in e.device_budgets)}. {msg}"
-            elif getattr(e, "min_budget_bytes", None) and self.settings.devices is None:
-                lead = f"Max VRAM: set max_vram_gb {to} {gib_text(e.min_budget_bytes)}. {msg}"
+            elif getattr(e, "min_budget_bytes", None) and (self.settings.devices is None
+                                                            or isinstance(e, RamBudgetError)):
+                what = "max_ram_gb" if isinstance(e, RamBudgetError) else "max_vram_gb"
+                lead = f"Max VRAM: set {what} {to} {gib_text(e.min_budget_bytes)}. {msg}"
             if fallback:
                 raise VRAMCutOOM(lead) from e
             raise VRAMCutError(lead) from e

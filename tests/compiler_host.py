@@ -226,7 +226,7 @@ def sample_through_wrappers(pack, model, x, t, budget: int, steps: int, device="
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=torch.device(device),
                                                offload_device=torch.device("cpu"))
     settings = st.Settings(max_vram_gb=budget / (1 << 30))
-    clone = pack.nodes.patching.patch_model(patcher, settings, st.NodeReport(None, settings))
+    clone = pack.nodes.patching.patch_model(patcher, settings, pack.nodes.report.NodeReport(None, settings))
     engine = st.state_of(clone)._engines[model]
     options = {"transformer_options": {"wrappers": clone.wrappers}}
     outer = pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, options, is_model_options=True)

@@ -3,11 +3,24 @@
 import os
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 for p in (ROOT, HERE, os.path.join(HERE, "core")):
     if p not in sys.path:
         sys.path.insert(0, p)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _bandwidth_cache(tmp_path_factory):
+    """The engine caches the copy bandwidth and the matmul rate it measures (the simulated
+    accelerator's too): here, in a folder of this run, never in the home, so no test reads a figure
+    an earlier run or another checkout left there."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VRAMCUT_CACHE_DIR", str(tmp_path_factory.mktemp("vramcut_cache")))
+    yield
+    mp.undo()
 
 
 def pytest_report_header(config):

@@ -11,17 +11,19 @@ from .engine import Engine, EngineConfig, HostHooks, TraceUnavailable
 from .runtime.executor import SegmentedExecutor
 from .figures.meters import signature
 from .planning.placement import parse_devices
-from .planning.plan import BudgetError, Plan, PlanOptions, PlanUnit, Segment, build_plan, gib_text, gib_to_bytes, make_plan
+from .planning.budget import BudgetError, gib_text, gib_to_bytes
+from .planning.plan import Plan, PlanOptions, PlanUnit, Segment, build_plan, make_plan
 from .model.quant import parts as quant_parts
 from .planning.report import RunStats, cost_to_json, plan_to_json, plan_to_text
 from .model.tensors import GIB, fmt_bytes, is_plain_tensor
+from .planning.tiers import RamBudgetError
 from .model.units import FAMILIES, Family, Unit, UnitSet, find_units, split_unit
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BudgetError", "Engine", "EngineConfig", "FAMILIES", "Family", "GIB", "HostHooks", "Plan", "PlanOptions",
-    "PlanUnit", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet", "build_plan",
-    "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
+    "PlanUnit", "RamBudgetError", "RunStats", "Segment", "SegmentedExecutor", "TraceUnavailable", "Unit", "UnitSet",
+    "build_plan", "cost_to_json", "find_units", "fmt_bytes", "gib_text", "gib_to_bytes", "host_to_device", "is_plain_tensor",
     "make_plan", "parse_devices", "plan_to_json", "plan_to_text", "quant_parts", "signature", "split_unit",
 ]

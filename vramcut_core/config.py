@@ -42,6 +42,10 @@ class EngineConfig:
     # device, ``device``, under ``budget_bytes``. Non-empty: ``device`` is the home device (inputs
     # arrive and the output returns there) and one of them; ``budget_bytes`` is their sum
     devices: tuple[tuple[str, int], ...] = ()
+    # host memory the pack may hold for this module's weights (``tiers``): flat masters, the bounce
+    # buffer; what does not fit is read from its file each call. None: no RAM budget (every
+    # streamed unit has its master in RAM, as before)
+    ram_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes <= 0:
@@ -54,6 +58,11 @@ class EngineConfig:
                 raise ValueError(f"{f} must be a positive number or None, got {v!r}")
         if self.devices:
             _check_devices(self)
+        r = self.ram_budget_bytes
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r <= 0):
+            raise ValueError(f"ram_budget_bytes must be a positive int or None, got {r!r}")
+        if r is not None and len(self.devices) > 1:
+            raise ValueError("ram_budget_bytes: a RAM budget is planned for one device only, not yet for several")
 
     @property
     def options(self) -> PlanOptions:

@@ -32,7 +32,8 @@ from .figures.trace import TRACED
 from .model.tensors import fmt_bytes
 from .one_device import DeviceSide
 from .planning.placement import Placement, place
-from .planning.plan import BudgetError, Plan, Segment
+from .planning.budget import BudgetError
+from .planning.plan import Plan, Segment
 from .planning.report import RunStats
 from .runtime import hops as hops_room
 from .runtime.hops import HOME, KEEP, Hops
@@ -181,7 +182,8 @@ def combined(stats: dict[str, RunStats]) -> RunStats:
         out.bytes_streamed += s.bytes_streamed
         out.copies += s.copies
         out.sync_loads += s.sync_loads
-        for f in ("time_copy_s", "time_compute_s", "time_wait_s"):
+        out.resident_loads += s.resident_loads
+        for f in ("time_copy_s", "time_load_s", "time_compute_s", "time_wait_s"):
             setattr(out, f, max(getattr(out, f), getattr(s, f)))
         out.peak_device_bytes = max(out.peak_device_bytes, s.peak_device_bytes)
         out.peak_weight_bytes = max(out.peak_weight_bytes, s.peak_weight_bytes)

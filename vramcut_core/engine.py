@@ -48,7 +48,8 @@ from .figures.trace import TraceResult, trace_units, tracing
 from .model.tensors import fmt_bytes
 from .one_device import OneDevice, oom_message
 from .planning.placement import Placement, in_devices_form, refit_reasons
-from .planning.plan import BudgetError, Plan, PlanOptions, Refit, refit_budget
+from .planning.budget import BudgetError
+from .planning.plan import Plan, PlanOptions, Refit, refit_budget
 from .planning.planner import UnitPlanner
 from .planning.report import RunStats, plan_to_json, plan_to_text
 from .runtime.executor import SegmentedExecutor
@@ -83,6 +84,7 @@ class Engine:
         self.executors = self.side.executors
         self.group = self.side.group
         self.planner.block_bytes = self.executor.memory.block_bytes
+        self.planner.host = self.executor.masters.tiers
         self.shapes = Shapes(self.planner.top)
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None

@@ -35,7 +35,8 @@ from .figures.meters import OverBudget, joint_measurements
 from .figures.trace import MEASURED, TRACED
 from .model.tensors import fmt_bytes
 from .planning.placement import DevicePlan, Placement
-from .planning.plan import STOPPED, BudgetError, Plan, budget_error
+from .planning.budget import STOPPED, BudgetError, budget_error
+from .planning.plan import Plan
 
 log = logging.getLogger("vramcut")
 

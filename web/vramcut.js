@@ -22,12 +22,16 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { lastPayload } from "./plan/payload.js";
-import { attachPlan, watchPage } from "./plan/view.js";
+import { attachPlan } from "./plan/view.js";
+import { watchPage } from "./plan/tip.js";
 import { PlanHistory } from "./plan/history.js";
 import { collapsedTitle, drawCollapsedTitle, syncVueHeader } from "./plan/node.js";
+import { attachDevicesMessage, showDevicesMessage } from "./plan/devices.js";
 
 // Both Max VRAM nodes send the same payload (the second one is for upscale / CLIP vision models).
 const NODE_TYPES = new Set(["VRAMCutMaxVRAM", "VRAMCutMaxVRAMExtras"]);
+
+const DEVICES_TYPE = "VRAMCutDevices";
 
 const history = new PlanHistory(app, api);
 watchPage();
@@ -44,10 +48,25 @@ function chain(proto, name, fn) {
   };
 }
 
+/** The Devices node: its reserve to the thousandth, and its message on the node. */
+function wireDevices(proto) {
+  chain(proto, "onNodeCreated", function (base) {
+    const r = base();
+    attachDevicesMessage(this);
+    return r;
+  });
+  chain(proto, "onExecuted", function (base, message) {
+    const r = base();
+    showDevicesMessage(this, lastPayload(message?.vramcut));
+    return r;
+  });
+}
+
 app.registerExtension({
   name: "vramcut.MaxVRAM",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name === DEVICES_TYPE) return wireDevices(nodeType.prototype);
     if (!NODE_TYPES.has(nodeData?.name)) return;
     const proto = nodeType.prototype;
 
@@ -75,7 +94,8 @@ app.registerExtension({
     chain(proto, "onExecuted", function (base, message) {
       const r = base();
       const payload = lastPayload(message?.vramcut);
-      if (payload && this.vramcutView) {
+      // the host hands a run's output to the node of that id on screen, whichever workflow ran
+      if (payload && this.vramcutView && history.ownPrompt(history.runningPrompt)) {
         history.remember(this, payload, { run: true });
         this.vramcutView.show(payload);
       }

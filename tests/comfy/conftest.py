@@ -11,15 +11,6 @@ from pack_nodes import load_pack, run_node
 from sim_cuda import simulated_cuda
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _bandwidth_cache(tmp_path_factory):
-    """The node measures the host-to-device bandwidth once and caches it: here, not in the home."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VRAMCUT_CACHE_DIR", str(tmp_path_factory.mktemp("vramcut_cache")))
-    yield
-    mp.undo()
-
-
 @pytest.fixture(scope="session")
 def comfy():
     try:
@@ -58,7 +49,7 @@ def sim(monkeypatch, pack):
 
 
 @pytest.fixture
-def host_pins(comfy, pack, monkeypatch):
+def host_pins(comfy, pack, monkeypatch, link_figure):
     """The host's own page-locking on, its table empty; the pack's ledger with no cap of its own."""
     import comfy.model_management as mm
     import comfy.model_patcher
@@ -74,6 +65,12 @@ def host_pins(comfy, pack, monkeypatch):
     monkeypatch.setattr(ledger, "room", None)
     monkeypatch.setattr(ledger, "bytes", 0)
     monkeypatch.setattr(ledger, "cap", -1)
+    return mm
+
+
+@pytest.fixture
+def link_figure(monkeypatch, pack):
+    """The node's answer line estimates a cost from the link's bandwidth: a figure given here (as
+    a cached one), not measured on this machine."""
     monkeypatch.setattr(pack.vramcut_core.figures.bandwidth, "host_to_device",
                         lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
-    return mm

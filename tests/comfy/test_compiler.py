@@ -22,10 +22,7 @@ STEPS = 3
 
 
 @pytest.fixture
-def stand_in(sim, monkeypatch, pack):
-    # the node's answer line estimates a cost from the link's bandwidth: a figure, not measured here
-    monkeypatch.setattr(pack.vramcut_core.figures.bandwidth, "host_to_device",
-                        lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
+def stand_in(sim, monkeypatch, link_figure):
     return CompilerStandIn(monkeypatch, sim)
 
 

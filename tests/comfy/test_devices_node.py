@@ -22,6 +22,11 @@ def host_with_two_gpus(pack, monkeypatch):
     them reads the count)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    import comfy.model_management as mm
+
+    total = mm.get_total_memory  # the two GPUs' total memory (the Devices node checks the reserve against it)
+    monkeypatch.setattr(mm, "get_total_memory", lambda dev=None, torch_total_too=False: (
+        24 * GIB if torch.device(dev).type == "cuda" else total(dev, torch_total_too)))
 
 
 def devices(pack, text, reserve_gb=1.0):
@@ -46,8 +51,8 @@ def test_bad_devices_are_refused_on_both_nodes_before_anything_moves(pack, max_v
     model connected is left as it was (no engine made, the host's model unchanged)."""
     model = tm.load_tiny_sd3(depth=2, seed=3)
     before = {n: p.detach().clone() for n, p in model.model.diffusion_model.named_parameters()}
-    with pytest.raises(ValueError, match=message):
-        run_node(pack, "VRAMCutDevices", devices=text, reserve_gb=1.0)
+    _, ui = run_node(pack, "VRAMCutDevices", devices=text, reserve_gb=1.0)
+    assert message in ui["vramcut"][0]["message"], ui
     with pytest.raises(ValueError, match=message):
         max_vram(1.0, model=model, devices=devices(pack, text))
     for n, p in model.model.diffusion_model.named_parameters():
@@ -56,8 +61,30 @@ def test_bad_devices_are_refused_on_both_nodes_before_anything_moves(pack, max_v
 
 
 def test_a_negative_reserve_is_refused(pack):
-    with pytest.raises(ValueError, match="reserve_gb must be a number of GiB, not negative"):
-        run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=-1.0)
+    _, ui = run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=-1.0)
+    assert "reserve_gb must be a number of GiB, not negative" in ui["vramcut"][0]["message"]
+
+
+def test_a_reserve_larger_than_the_device_is_refused_before_any_model_loads(pack):
+    """Said by the Devices node itself (it runs before the Max VRAM node, which waits for the
+    checkpoint), in three decimals, naming the CPU's memory as memory."""
+    import comfy.model_management as mm
+
+    total = mm.get_total_memory(torch.device("cpu")) / GIB
+    _, ui = run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=round(total + 1, 4))
+    assert f"reserve_gb {round(total + 1, 4):.3f} GiB is not less than cpu's total memory" in ui["vramcut"][0]["message"]
+    _, ui = run_node(pack, "VRAMCutDevices", devices="cpu=free", reserve_gb=0.5)
+    assert ui["vramcut"][0]["message"] is None
+
+
+def test_a_budget_alone_is_the_main_devices_and_the_default_is_this_hosts(pack):
+    (out,), ui = run_node(pack, "VRAMCutDevices", devices="free", reserve_gb=0.5)
+    assert ui["vramcut"][0]["message"] is None and out.entries() == [("cpu", None)]
+    (out,), _ = run_node(pack, "VRAMCutDevices", devices=" 2.5 ", reserve_gb=0.5)
+    assert out.entries() == [("cpu", int(2.5 * GIB))]
+    assert pack.nodes.devices.default_text() == "cpu=free"
+    schema = pack.nodes.max_vram.VRAMCutDevices.define_schema()
+    assert schema.inputs[0].default == "cpu=free"
 
 
 def test_the_devices_node_gives_the_devices_as_typed(pack, host_with_two_gpus):
@@ -176,7 +203,7 @@ def test_cfg_split_added_after_the_node_is_refused_before_sampling_loads(pack):
     """The CFG Split node placed after the Max VRAM node: the sampling run is refused in its
     outer wrapper, before the host loads anything, and the node says why."""
     st = pack.nodes.state
-    report = st.NodeReport(None, st.Settings(1.0, devices=devices(pack, "cpu=1")))
+    report = pack.nodes.report.NodeReport(None, st.Settings(1.0, devices=devices(pack, "cpu=1")))
     state = st.PatchState("MODEL", report=report, settings=st.Settings(1.0, devices=devices(pack, "cpu=1")))
     wrapper = pack.nodes.patching._OuterSampleWrapper(state)
     model = tm.load_tiny_sd3(depth=2, seed=4)
@@ -237,7 +264,7 @@ def test_free_vram_is_read_again_before_each_call(pack, max_vram, monkeypatch):
 
 
 def test_time_answer_from_the_plans_time(pack):
-    time_answer = pack.nodes.state.time_answer
+    time_answer = pack.nodes.report.time_answer
 
     assert time_answer(None) is None
     assert time_answer({"predicted_s": 1.0}) is None
@@ -279,7 +306,7 @@ def test_the_node_carries_per_device_answer_time_and_replan_from_the_plan(pack, 
     (engine,) = pack.nodes.patcher.state_of(patched).engines()
     describe = engine.describe
     monkeypatch.setattr(engine, "describe", lambda plan=None: dict(d := describe(plan), plan=contract_plan(d["plan"])))
-    report = pack.nodes.state.NodeReport(None, pack.nodes.state.Settings(0.02))
+    report = pack.nodes.report.NodeReport(None, pack.nodes.state.Settings(0.02))
     report.set("MODEL", engine)
     entry = report.payload["models"][0]
     cost = entry["plan"]["cost"]

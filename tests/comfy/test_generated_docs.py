@@ -77,6 +77,7 @@ def test_predicted_page_is_what_the_script_writes_now(comfy):
     missing = [line for line in prose if line not in page]
     assert not missing, f"the page's text is not the script's: {missing[:3]}"
     rows = [line for line in now if line.startswith(("| Flux", "- **Flux"))]
-    # four budgets of predicted time, the note with its source, and the four two-GPU rows
-    assert len(rows) == 9 and all(r in page for r in rows), rows
+    # four budgets of predicted time, the note with its source, the four two-GPU rows and the four
+    # VRAM / RAM pairs
+    assert len(rows) == 13 and all(r in page for r in rows), rows
     assert any(line.startswith(docgen.STAMP) for line in page)

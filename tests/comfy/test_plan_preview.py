@@ -313,7 +313,7 @@ def test_each_refused_model_carries_its_own_budget_and_the_node_the_largest(comf
 
 def test_the_node_names_a_calls_inputs_as_a_user_knows_them(pack):
     """The engine's signature (tensor paths) read as the user knows the inputs."""
-    inputs_text = pack.nodes.state.inputs_text
+    inputs_text = pack.nodes.report.inputs_text
     sig = (("arg0", (2, 4, 64, 64), "torch.float32"), ("arg1", (2,), "torch.float32"),
            ("c_crossattn", (2, 77, 768), "torch.float32"),
            ("arg5.sample_sigmas", (21,), "torch.float32"))
@@ -322,3 +322,20 @@ def test_the_node_names_a_calls_inputs_as_a_user_knows_them(pack):
     assert inputs_text("VAE", (("arg0", (1, 3, 512, 512), "torch.float16"),)) == "image 512×512, batch 1"
     assert inputs_text("CLIP", (("tokens.l", (1, 77), "tokens"),)) == "text 77 tokens"
     assert "arg" not in inputs_text("MODEL", sig)
+
+
+def test_a_budget_below_one_block_still_previews_every_model(comfy, pack, max_vram):
+    """Below what one block's weights need, with a shape connected: every model is previewed
+    and refused with its own smallest budget at that shape (not the weights' lower bound, which
+    stopped the node before the others were previewed), the node's figure the largest."""
+    model, vae = built("BaseModel"), tm.load_tiny_vae(seed=0)
+    shp = shape(pack, 128, 128)
+    _, payload = max_vram(1 / (1 << 20), model=model, vae=vae, preview_shape=shp)
+    entries = {m["kind"]: m for m in payload["models"]}
+    assert set(entries) == {"MODEL", "VAE"}, payload
+    assert all(m["refused"] and m["min_budget_exact"] for m in entries.values()), payload
+    assert payload["min_budget_bytes"] == max(m["min_budget_bytes"] for m in entries.values())
+    assert payload["min_budget_exact"] is True and "at least" not in payload["message"], payload["message"]
+    _, alone = max_vram(payload["min_budget_bytes"] / GIB + 0.001, model=model, vae=vae, preview_shape=shp,
+                        node_id="6")
+    assert alone["message_level"] != "error", alone["message"]

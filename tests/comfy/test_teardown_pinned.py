@@ -71,7 +71,7 @@ def _setup(sim, pack, clones=1):
                                                offload_device=torch.device("cpu"))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     settings = st.Settings(max_vram_gb=weights * 0.6 / GIB)  # about half the weights streamed
-    made = [pack.nodes.patching.patch_model(patcher, settings, st.NodeReport(None, settings)) for _ in range(clones)]
+    made = [pack.nodes.patching.patch_model(patcher, settings, pack.nodes.report.NodeReport(None, settings)) for _ in range(clones)]
     return model, base, (made[0] if clones == 1 else made), (x, t), ref
 
 

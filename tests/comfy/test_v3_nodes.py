@@ -21,7 +21,7 @@ NODE_IDS = ("VRAMCutMaxVRAM", "VRAMCutMaxVRAMExtras")
 SHAPE_ID = "VRAMCutPreviewShape"  # added after the V1 classes: no saved contract before it
 DEVICES_ID = "VRAMCutDevices"     # likewise
 # inputs appended after the saved ones (optional: a saved workflow loads without them)
-APPENDED = [("preview_shape", "VRAMCUT_SHAPE"), ("devices", "VRAMCUT_DEVICES")]
+APPENDED = [("preview_shape", "VRAMCUT_SHAPE"), ("devices", "VRAMCUT_DEVICES"), ("max_ram_gb", "FLOAT")]
 
 with open(os.path.join(HERE, "data", "node_info_v1_main.json"), encoding="utf-8") as f:
     MAIN = json.load(f)

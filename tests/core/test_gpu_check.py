@@ -54,8 +54,9 @@ def test_file_backed_check_runs_on_the_simulated_accelerator(monkeypatch):
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import gpu_check
+    import gpu_engine_checks
     import gpu_file_backed_check as fb
+    import gpu_timing
     from sim_cuda import simulated_cuda
     from vramcut_core.runtime import host_memory as hm
 
@@ -64,8 +65,8 @@ def test_file_backed_check_runs_on_the_simulated_accelerator(monkeypatch):
     monkeypatch.setattr(hm, "_BOUNCE", None)
     with simulated_cuda(monkeypatch) as sim:
         _timed(sim, monkeypatch)
-        res = fb.check(torch.device("cuda"), gpu_check._budget_to_stream, d=64, depth=4, tokens=16, forwards=3,
-                       inputs_on=torch.device("cpu"), host=sim.host_memory, timing=gpu_check.time_per_call)
+        res = fb.check(torch.device("cuda"), gpu_engine_checks._budget_to_stream, d=64, depth=4, tokens=16, forwards=3,
+                       inputs_on=torch.device("cpu"), host=sim.host_memory, timing=gpu_timing.time_per_call)
         gc.collect()
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res
@@ -83,15 +84,16 @@ def test_outgrow_check_runs_on_the_simulated_accelerator(monkeypatch):
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import gpu_check
+    import gpu_engine_checks
+    import gpu_timing
     from sim_cuda import simulated_cuda
 
     with simulated_cuda(monkeypatch) as sim:
         _timed(sim, monkeypatch)
-        monkeypatch.setattr(gpu_check._SyncCounter, "NAMES", ((torch.cuda, "synchronize"), (torch.cuda, "empty_cache")))
+        monkeypatch.setattr(gpu_engine_checks._SyncCounter, "NAMES", ((torch.cuda, "synchronize"), (torch.cuda, "empty_cache")))
         with torch.no_grad():
-            res = gpu_check.check_outgrow(torch.device("cuda"), d=32, depth=8, tokens=8,
-                                          inputs_on=torch.device("cpu"), host=sim.host_memory)
+            res = gpu_engine_checks.check_outgrow(torch.device("cuda"), d=32, depth=8, tokens=8,
+                                                  inputs_on=torch.device("cpu"), host=sim.host_memory)
         gc.collect()
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res
@@ -99,7 +101,7 @@ def test_outgrow_check_runs_on_the_simulated_accelerator(monkeypatch):
     # the re-planned steady forwards' time per call: the simulator's is the timeline's prediction
     t = res["time_per_call"]
     assert t["predicted_s"] > 0 and t["measured_s"] > 0 and abs(t["error"]) < 0.02, t
-    assert gpu_check.time_text(t).startswith("predicted ") and " ms/call, measured " in gpu_check.time_text(t)
+    assert gpu_timing.time_text(t).startswith("predicted ") and " ms/call, measured " in gpu_timing.time_text(t)
 
 
 def test_a_check_without_a_prediction_says_why(monkeypatch):
@@ -110,7 +112,7 @@ def test_a_check_without_a_prediction_says_why(monkeypatch):
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import gpu_check
+    import gpu_timing
     from sim_cuda import simulated_cuda
     from vramcut_core import Engine, EngineConfig
     from vramcut_core.figures import bandwidth
@@ -126,12 +128,12 @@ def test_a_check_without_a_prediction_says_why(monkeypatch):
             with torch.no_grad(), eng.session():
                 for _ in range(3):
                     eng.run(model, x)
-            t = gpu_check.time_per_call(eng)
+            t = gpu_timing.time_per_call(eng)
             eng.release()
             del eng
             gc.collect()
             assert t["predicted_s"] is None and t["error"] is None, t
-            why[name] = gpu_check.time_text(t)
+            why[name] = gpu_timing.time_text(t)
     assert why["count"].startswith("no prediction (speed=count on cuda: residency by bytes"), why
     assert why["no_bandwidth"].startswith("no prediction (no host-to-device bandwidth figure for cuda)"), why
 
@@ -158,15 +160,15 @@ def test_devices_check_runs_on_two_simulated_gpus(monkeypatch):
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import gpu_check
+    import gpu_engine_checks
     from sim_cuda import simulated_cuda
 
     with simulated_cuda(monkeypatch, devices=1):
-        assert gpu_check.check_devices() == {"ok": None, "why": "1 GPU(s): the check needs two"}
+        assert gpu_engine_checks.check_devices() == {"ok": None, "why": "1 GPU(s): the check needs two"}
     with simulated_cuda(monkeypatch, devices=2) as sim:
         with torch.no_grad():
-            res = gpu_check.check_devices(d=32, depth=8, tokens=8, steps=4, inputs_on=torch.device("cpu", 0),
-                                          host=sim.host_memory)
+            res = gpu_engine_checks.check_devices(d=32, depth=8, tokens=8, steps=4, inputs_on=torch.device("cpu", 0),
+                                                  host=sim.host_memory)
         gc.collect()
     assert not sim.hazards, sim.hazards[:5]
     assert res["ok"], res

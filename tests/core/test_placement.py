@@ -10,7 +10,7 @@ import pytest
 
 from test_cli import flux_like_entries, write_header_only
 from vramcut_core import BudgetError, PlanOptions, PlanUnit, make_plan
-from vramcut_core.planning.plan import gib_given_text, gib_text
+from vramcut_core.planning.budget import gib_given_text, gib_text
 from vramcut_core.cli.commands import main
 from vramcut_core.planning.placement import parse_devices, place
 

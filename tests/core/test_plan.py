@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vramcut_core import BudgetError, PlanOptions, PlanUnit, build_plan, make_plan, plan_to_json, plan_to_text
-from vramcut_core.planning.plan import _Infeasible, gib_to_bytes
+from vramcut_core.planning.budget import gib_to_bytes
+from vramcut_core.planning.plan import _Infeasible
 
 MB = 1 << 20
 

@@ -48,3 +48,15 @@ def test_placement_rows_by_hand():
     ]
     rows = pt.placement_rows("toy", units(), PlanOptions(), traced=False, sizes=(2,))
     assert rows[1] == "| toy | 2×2 GiB | 0.00 GiB | 1 | not measured | weights only, units per GPU 2 + 2 |"
+
+
+def test_tier_rows_by_hand():
+    # four 1 GB blocks of 30 ms. VRAM 2 GiB: two 1 GB slots, nothing resident, 160 ms on PCIe 4.0
+    # (see above). RAM 2 GiB: the 128 MiB bounce buffer, then two 1 GB blocks (0.125 + 2 x 0.931
+    # = 1.99 GiB; a third does not fit). The other two (2 GB) are read per call: + 2 GB / 3.5 GB/s
+    # = 0.571 s, + 2 GB / 7 GB/s = 0.286 s.
+    rows = pt.tier_rows("toy", units(), PlanOptions(), pairs=((2, 2), (2, 0.1), (0.5, 2)))
+    assert rows[0] == "| toy | 2 / 2 GiB | 0.00 GiB | 1.86 GiB | 1.86 GiB | 0.160 s | 0.731 s | 0.446 s |"
+    # RAM below the bounce buffer: refused with the RAM it needs; VRAM below one slot: the VRAM
+    assert rows[1].startswith("| toy | 2 / 0.1 GiB | refused (needs 0.125 GiB)")
+    assert rows[2].startswith("| toy | 0.5 / 2 GiB | refused (needs 0.932 GiB)")

@@ -8,13 +8,19 @@ peak stays within the budget on every forward, the first (measuring) ones includ
 """
 import gc
 
+import pytest
 import torch
 
 from test_sim_cuda import cuda_engine, fresh_peak, probe_plan, reserved_peak_within, sim  # noqa: F401
 from toys import TempStack, seeded
 
 
-def test_measuring_forward_with_an_intra_module_temporary_stays_within_budget(sim):
+@pytest.mark.parametrize("figures", [{}, {"flops_per_s": 5.5e9, "bandwidth_bytes_per_s": 2e9}],
+                         ids=["probed", "known_rates"])
+def test_measuring_forward_with_an_intra_module_temporary_stays_within_budget(sim, figures):
+    """``known_rates``: the bandwidth and throughput known before the first forward (given, or
+    cached by an earlier run), so the finer cut shares the unit's compute time among its parts
+    (which asked the parts' bytes before the parts were known: a KeyError)."""
     with sim.host_memory(), torch.no_grad():
         model = seeded(TempStack())
         x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
@@ -27,7 +33,7 @@ def test_measuring_forward_with_an_intra_module_temporary_stays_within_budget(si
         # slots of a third of a block (its linear layers) do
         budget = act + (block + 2 * block // 3) // 2
         assert block + act > budget, "the scenario needs an overshoot at the block cut"
-        eng = cuda_engine(model, budget)
+        eng = cuda_engine(model, budget, **figures)
         base = fresh_peak(sim)
         outs = []
         with eng.session():

@@ -17,7 +17,8 @@ from toys import (BufferedStack, ExplodingStack, FluxLike, MixedDtypeStack, Quan
                   TransformerStack, UNetLike, assert_unchanged, seeded, snapshot)
 from vramcut_core import BudgetError, Engine, EngineConfig, PlanOptions, PlanUnit, gib_to_bytes, make_plan
 from vramcut_core.runtime.executor import SegmentedExecutor
-from vramcut_core.planning.plan import gib_text, min_budget
+from vramcut_core.planning.budget import gib_text
+from vramcut_core.planning.plan import min_budget
 from vramcut_core.figures.trace import MEASURED, TRACED, trace_units
 
 # Traced figures are an upper bound of the measured ones and at most this much above (the family

@@ -20,6 +20,7 @@ import pytest
 # the page helpers are test_browser.py's (pytest imports test modules by path, not from sys.path)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_browser as tb
+from graphs import clear_and_build
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 
@@ -353,29 +354,12 @@ def test_unused_warning_only_with_vramcut_on_and_below_the_error(comfy_server, b
     tb._save("error_above_warning.png", tb._node_crop(browser, cut, 1.0))
 
 
-CLEAR_AND_BUILD_JS = """
-const [model, done] = arguments;
-(async () => {
-  window.confirm = () => true;  // "Clear workflow?"
-  await app.extensionManager.command.execute("Comfy.ClearWorkflow");
-  const u = LiteGraph.createNode("UNETLoader"); u.pos = [20, 90]; app.graph.add(u);
-  u.widgets.find((w) => w.name === "unet_name").value = model;
-  const c = LiteGraph.createNode("%(node)s"); c.pos = [340, 90]; app.graph.add(c);
-  c.widgets.find((w) => w.name === "max_vram_gb").value = 0.03;
-  u.connect(0, c, 0);
-  await app.queuePrompt(0);
-  done({id: c.id, graph: app.graph.id});
-})().catch((e) => done({error: String(e && e.stack || e)}));
-""".replace("%(node)s", tb.NODE_TYPE)
-
-
 def test_plan_of_a_cleared_workflow_survives_a_reload(comfy_server, browser):
     """Clear Workflow leaves the graph without an id; the frontend gives it a new one when the
     page is loaded again. The node's plan still comes back from the history."""
     s = comfy_server
     tb._run_example(browser, s)
-    r = browser.execute_async_script(CLEAR_AND_BUILD_JS, s.tiny_model)
-    assert "error" not in r, r
+    r = clear_and_build(browser, s.tiny_model)
     tb._wait(browser, "the plan", lambda: _view(browser, r["id"])["data"].get("hasPlan") == "true")
     time.sleep(1.5)  # the workflow is kept in the browser's storage
     tb._open(browser, s, fresh=False)  # (frontends before 1.49 keep the empty id on reload)

@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_browser as tb
 from test_node_look import PIXELS_JS, _set_width, _vae_run, _view
+from graphs import clear_and_build
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 
@@ -187,26 +188,6 @@ def test_budgets_and_needs_read_to_the_thousandth_everywhere(comfy_server, brows
 
 # --------------------------------------------------------- 4: a plan belongs to the run that made it
 
-CLEAR_BUILD_JS = """
-const [model, queue, done] = arguments;
-const capture = () => {
-  const ct = app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
-  if (typeof ct?.captureCanvasState === "function") ct.captureCanvasState(); else ct?.checkState?.();
-};
-(async () => {
-  window.confirm = () => true;  // "Clear workflow?"
-  await app.extensionManager.command.execute("Comfy.ClearWorkflow");
-  const u = LiteGraph.createNode("UNETLoader"); u.pos = [20, 90]; app.graph.add(u);
-  u.widgets.find((w) => w.name === "unet_name").value = model;
-  const c = LiteGraph.createNode("%(node)s"); c.pos = [340, 90]; app.graph.add(c);
-  c.widgets.find((w) => w.name === "max_vram_gb").value = 0.03;
-  u.connect(0, c, 0);
-  if (queue) await app.queuePrompt(0);
-  else capture();  // what the user's last mouse-up does: the workflow kept for a reload
-  done({id: c.id});
-})().catch((e) => done({error: String(e && e.stack || e)}));
-""" % {"node": tb.NODE_TYPE}
-
 HAS_PLAN_JS = ("const n = app.graph.getNodeById(arguments[0]);"
                "return n && n.vramcutView ? n.vramcutView.el.dataset.hasPlan : null")
 
@@ -216,12 +197,11 @@ def test_a_look_alike_graph_never_gets_the_plan_of_a_run_it_did_not_make(comfy_s
     never-run node shows no plan (the run's workflow was cleared; this one never ran)."""
     s = comfy_server
     tb._open(browser, s)
-    r = browser.execute_async_script(CLEAR_BUILD_JS, s.tiny_model, True)
-    assert "error" not in r, r
+    r = clear_and_build(browser, s.tiny_model)
     tb._wait(browser, "the run's plan", lambda: browser.execute_script(HAS_PLAN_JS, r["id"]) == "true")
     time.sleep(1.0)
-    again = browser.execute_async_script(CLEAR_BUILD_JS, s.tiny_model, False)
-    assert "error" not in again and again["id"] == r["id"], again
+    again = clear_and_build(browser, s.tiny_model, queue=False)
+    assert again["id"] == r["id"], again
     assert browser.execute_script(HAS_PLAN_JS, again["id"]) == "false"
     time.sleep(1.5)  # the workflow is kept in the browser's storage
     tb._open(browser, s, fresh=False)

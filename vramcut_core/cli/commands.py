@@ -1,5 +1,8 @@
 """Command line: ``python -m vramcut_core plan FILE --max-vram GIB`` and ``... demo``.
 
+``--max-ram GIB`` adds the host tiers (``tiers``): which units' host copies fit the RAM budget and
+which are read from the file each call, with the reads' predicted time at ``--disk-gbps``.
+
 ``plan FILE --devices cuda:0=8,cuda:1=8`` places the model across devices instead, one budget
 each (``placement.place``): one row per device, the hops between them."""
 from __future__ import annotations
@@ -7,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..planning.plan import BudgetError, PlanOptions, gib_to_bytes, make_plan
+from ..planning.budget import BudgetError, gib_to_bytes
+from ..planning.plan import PlanOptions, make_plan
 from ..planning.report import dumps, plan_to_json, plan_to_text
 
 
@@ -26,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices", metavar="DEV=GIB,...",
                     help="plan across devices, a budget each in GiB, in the order the forward visits them "
                          "(e.g. cuda:0=8,cuda:1=8); instead of --max-vram")
+    pl.add_argument("--max-ram", metavar="GIB",
+                    help="RAM budget in GiB for the model's host copies: what does not fit is read from the "
+                         "file each call (printed as host tiers)")
+    pl.add_argument("--disk-gbps", metavar="GB/S", type=float,
+                    help="the disk's read rate in GB/s for the predicted reads (default: the rate measured "
+                         "before on this file's disk, if any; nothing is read now)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--no-prefetch", action="store_true", help="one streaming slot, no overlap")
     pl.add_argument("--no-residency", action="store_true", help="stream every unit")
@@ -50,14 +60,21 @@ def _plan(a) -> int:
         from ..planning.placement import parse_devices
         devices = parse_devices(a.devices)  # "free" refused here: no device is queried
     budget = gib_to_bytes(a.max_vram) if devices is None else None
+    if a.max_ram is not None and devices is not None:
+        raise ValueError("--max-ram plans one device: give it with --max-vram")
+    if a.disk_gbps is not None and not a.disk_gbps > 0:
+        raise ValueError(f"--disk-gbps must be a positive rate, got {a.disk_gbps}")
     header = read_gguf_header(a.model) if is_gguf(a.model) else read_header(a.model)
+    a.ram = (None, None)   # (RAM budget bytes, disk bytes per second)
+    if a.max_ram is not None:
+        a.ram = (gib_to_bytes(a.max_ram), a.disk_gbps * 1e9 if a.disk_gbps else _cached_disk_rate(a.model))
     opts = PlanOptions(prefetch=not a.no_prefetch, residency=not a.no_residency)
     if devices is not None:
         return _place(a, header, devices, opts)
     comps, rest = split_components(header)
     if len(comps) > 1:
         return _plan_components(a, comps, rest, budget, opts)
-    units, plan = _plan_header(a.model, header, budget, opts)
+    units, plan = _plan_header(a.model, header, budget, opts, a.ram)
     if a.json:
         print(dumps(plan_to_json(plan)))
     else:
@@ -111,17 +128,44 @@ def _place(a, header: dict, devices, opts: PlanOptions) -> int:
     return 0
 
 
+def _cached_disk_rate(path: str) -> float | None:
+    """The cold read rate measured before on ``path``'s disk (none is measured here)."""
+    from ..figures import bandwidth
+
+    try:
+        hit = bandwidth._read_cache().get(bandwidth.disk_key(path) + ":cold")
+    except OSError:
+        return None
+    rate = hit.get("bytes_per_s") if isinstance(hit, dict) else None
+    return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
+
+
 def _kinds(header: dict) -> str:
     return ", ".join(sorted({v["dtype"] for v in header.values()}))
 
 
-def _plan_header(what: str, header: dict, budget: int, opts: PlanOptions):
+def _plan_header(what: str, header: dict, budget: int, opts: PlanOptions, ram: tuple = (None, None)):
     from ..formats.safetensors_plan import plan_units_from_header
 
     units = plan_units_from_header(header)
     if not units:
         raise ValueError(f"{what}: holds no tensors")
-    return units, make_plan(units, budget, opts)
+    return units, _tiered(make_plan(units, budget, opts), *ram)
+
+
+def _tiered(plan, ram: int | None, rate: float | None):
+    """``plan`` with its host tiers under ``--max-ram`` (every tensor read from the checkpoint
+    itself: a header's offsets are the file's), planned for a GPU (with its bounce buffer)."""
+    if ram is None:
+        return plan
+    import dataclasses
+
+    from ..planning.tiers import HostUnit, bounce_for, choose
+    from ..runtime import host_memory
+
+    host = {u.name: HostUnit(u.weight_bytes, u.weight_bytes) for u in plan.units}
+    bounce = bounce_for(host, host_memory.BOUNCE_PIECE, host_memory.BOUNCE_PIECES)
+    return dataclasses.replace(plan, tiers=choose(plan, host, ram, bounce, rate))
 
 
 def _plan_components(a, comps, rest: dict, budget: int, opts: PlanOptions) -> int:
@@ -133,7 +177,7 @@ def _plan_components(a, comps, rest: dict, budget: int, opts: PlanOptions) -> in
     planned = []
     for c in comps:
         try:
-            units, plan = _plan_header(f"{a.model} ({c.name})", c.header, budget, opts)
+            units, plan = _plan_header(f"{a.model} ({c.name})", c.header, budget, opts, a.ram)
         except BudgetError as e:
             raise ValueError(f"{_heading(c)}: {e}") from None
         planned.append((c, units, plan))

@@ -6,6 +6,10 @@ measured here, once per device (pinned host memory to the GPU; on CPU, a plain m
 is what the CPU executor does), and kept in memory and in a small JSON file so the next process
 does not measure again.
 
+``disk_read(path)`` measures the read rate of the disk a weights file is on, cold (its pages
+dropped first) and from the page cache, once per disk, cached the same way: the host tiers plan
+reads from disk by it.
+
 Beside it, ``matmul_throughput(device, dtype)`` measures floating-point operations per second of
 a square matrix product on the device in that dtype (on CPU, the CPU's), once per device and
 dtype: with the dry run's per-unit FLOP counts it gives each unit's compute time before any run.
@@ -20,6 +24,7 @@ import json
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -97,28 +102,34 @@ def measure(device, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> 
     return n / max(best, 1e-9)
 
 
-def host_to_device(device) -> dict:
-    """``{"bytes_per_s", "device", "source"}`` for ``device``: from memory, the cache file, or
-    measured now (``source`` says which). ``bytes_per_s`` is None when it could not be measured."""
-    key = device_key(device)
+def _figure(key: str, field: str, about: dict, measure_now: Callable[[], float], probe: dict) -> dict:
+    """``{field, **about, "source"}`` for ``key``: from memory, the cache file, or ``measure_now()``
+    (then written to the cache with ``probe``, what was measured); ``source`` says which, and
+    ``field`` is None when it could not be measured."""
     with _lock:
         hit = _memo.get(key)
         if hit is not None:
             return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
         cached = _read_cache().get(key)
-        if isinstance(cached, dict) and isinstance(cached.get("bytes_per_s"), (int, float)) \
-                and cached["bytes_per_s"] > 0:
-            entry = {"bytes_per_s": float(cached["bytes_per_s"]), "device": key, "source": "cache"}
+        if isinstance(cached, dict) and isinstance(cached.get(field), (int, float)) and cached[field] > 0:
+            entry = {field: float(cached[field]), **about, "source": "cache"}
         else:
             try:
-                bps = measure(device)
-                entry = {"bytes_per_s": bps, "device": key, "source": "measured"}
-                _write_cache(key, {"bytes_per_s": bps, "probe_bytes": PROBE_BYTES,
+                value = measure_now()
+                entry = {field: value, **about, "source": "measured"}
+                _write_cache(key, {field: value, **probe,
                                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            except Exception:  # no memory for the probe, a device that went away: no estimate
-                entry = {"bytes_per_s": None, "device": key, "source": "unmeasurable"}
+            except Exception:  # no memory for the probe, a device that went away, a dtype it cannot
+                entry = {field: None, **about, "source": "unmeasurable"}   # multiply: no estimate
         _memo[key] = entry
         return dict(entry)
+
+
+def host_to_device(device) -> dict:
+    """``{"bytes_per_s", "device", "source"}`` for ``device``: from memory, the cache file, or
+    measured now (``source`` says which). ``bytes_per_s`` is None when it could not be measured."""
+    key = device_key(device)
+    return _figure(key, "bytes_per_s", {"device": key}, lambda: measure(device), {"probe_bytes": PROBE_BYTES})
 
 
 def cached_host_to_device(device) -> float | None:
@@ -173,27 +184,72 @@ def matmul_throughput(device, dtype=torch.float32) -> dict:
     """``{"flops_per_s", "device", "dtype", "source"}`` for a matrix product on ``device`` in
     ``dtype``: from memory, the cache file, or measured now, as ``host_to_device``.
     ``flops_per_s`` is None when it could not be measured."""
-    key = matmul_key(device, dtype)
-    dt = str(dtype).replace("torch.", "")
-    with _lock:
-        hit = _memo.get(key)
-        if hit is not None:
-            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
-        cached = _read_cache().get(key)
-        if isinstance(cached, dict) and isinstance(cached.get("flops_per_s"), (int, float)) \
-                and cached["flops_per_s"] > 0:
-            entry = {"flops_per_s": float(cached["flops_per_s"]), "device": device_key(device), "dtype": dt,
-                     "source": "cache"}
-        else:
-            try:
-                fps = measure_matmul(device, dtype)
-                entry = {"flops_per_s": fps, "device": device_key(device), "dtype": dt, "source": "measured"}
-                _write_cache(key, {"flops_per_s": fps, "n": MATMUL_N.get(torch.device(device).type),
-                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            except Exception:  # a dtype the device cannot multiply, no memory: no estimate
-                entry = {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": "unmeasurable"}
-        _memo[key] = entry
-        return dict(entry)
+    about = {"device": device_key(device), "dtype": str(dtype).replace("torch.", "")}
+    return _figure(matmul_key(device, dtype), "flops_per_s", about, lambda: measure_matmul(device, dtype),
+                   {"n": MATMUL_N.get(torch.device(device).type)})
+
+
+def disk_key(path: str) -> str:
+    """A name for the disk ``path`` is on: its block device (``disk:MAJOR:MINOR``)."""
+    st = os.stat(path)
+    return f"disk:{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def measure_disk(path: str, nbytes: int = PROBE_BYTES) -> tuple[float, float]:
+    """(cold, page cache) bytes per second of ``os.preadv`` reads of ``nbytes`` from the middle of
+    ``path``: cold after ``posix_fadvise(DONTNEED)`` drops the range's pages (pages some process
+    maps stay: a figure from a file in use may be nearer the page cache's), then the same range
+    again from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        n = int(nbytes)
+        if size < n:  # a small file's read is all latency: no figure for the disk
+            raise OSError(f"{path} is smaller than the probe ({size} < {n} bytes)")
+        off = (size - n) // 2 // 4096 * 4096
+        buf = bytearray(min(n, 16 * MIB))
+        mv = memoryview(buf)
+
+        def read() -> float:
+            t0 = time.perf_counter()
+            done = 0
+            while done < n:
+                k = os.preadv(fd, [mv[:min(len(buf), n - done)]], off + done)
+                if k <= 0:
+                    break
+                done += k
+            return max(done, 1) / max(time.perf_counter() - t0, 1e-9)
+
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+        cold = read()
+        cached = max(read(), read())
+        return cold, cached
+    finally:
+        os.close(fd)
+
+
+def disk_read(path: str) -> dict:
+    """``{"cold_bytes_per_s", "cached_bytes_per_s", "device", "source"}`` for reads from the disk
+    ``path`` is on: from memory, the cache file, or measured now on ``path`` (as
+    ``host_to_device``; the two rates are kept as ``disk:MAJOR:MINOR:cold`` and ``:cached``).
+    The rates are None when they could not be measured."""
+    try:
+        key = disk_key(path)
+    except OSError:
+        return {"cold_bytes_per_s": None, "cached_bytes_per_s": None, "device": None, "source": "unmeasurable"}
+    both: dict = {}
+
+    def rates() -> tuple[float, float]:
+        if "r" not in both:
+            both["r"] = measure_disk(path)
+        return both["r"]
+
+    probe = {"probe_bytes": PROBE_BYTES}
+    cold = _figure(key + ":cold", "bytes_per_s", {"device": key}, lambda: rates()[0], probe)
+    warm = _figure(key + ":cached", "bytes_per_s", {"device": key}, lambda: rates()[1], probe)
+    return {"cold_bytes_per_s": cold["bytes_per_s"], "cached_bytes_per_s": warm["bytes_per_s"], "device": key,
+            "source": cold["source"]}
 
 
 def forget() -> None:

@@ -11,10 +11,9 @@ layout: ``elements / block_elements * block_bytes``.
 """
 from __future__ import annotations
 
-import os
 import struct
 
-from .safetensors_plan import HeaderError
+from .safetensors_plan import HeaderError, file_size
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -77,11 +76,7 @@ class _Reader:
 def read_gguf(path: str) -> tuple[dict, dict]:
     """``(metadata, tensors)``: the key-value pairs, and ``{name: {dtype, shape, data_offsets}}``
     with offsets relative to the data section (shape outermost first, as torch has it)."""
-    if not os.path.exists(path):
-        raise HeaderError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise HeaderError(f"{path}: is a directory, not a GGUF file")
-    size = os.path.getsize(path)
+    size = file_size(path, "GGUF")
     with open(path, "rb") as f:
         r = _Reader(f, path, size)
         if f.read(4) != MAGIC:

@@ -35,13 +35,19 @@ class HeaderError(ValueError):
     """The file is not a readable safetensors file."""
 
 
-def read_header(path: str) -> dict:
-    """The safetensors header: ``{key: {dtype, shape, data_offsets}}`` (metadata dropped)."""
+def file_size(path: str, kind: str) -> int:
+    """The size of the checkpoint file at ``path``; a ``HeaderError`` where there is none, or a
+    directory instead of a ``kind`` ("safetensors", "GGUF") file."""
     if not os.path.exists(path):
         raise HeaderError(f"{path}: no such file")
     if os.path.isdir(path):
-        raise HeaderError(f"{path}: is a directory, not a safetensors file")
-    size = os.path.getsize(path)
+        raise HeaderError(f"{path}: is a directory, not a {kind} file")
+    return os.path.getsize(path)
+
+
+def read_header(path: str) -> dict:
+    """The safetensors header: ``{key: {dtype, shape, data_offsets}}`` (metadata dropped)."""
+    size = file_size(path, "safetensors")
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:

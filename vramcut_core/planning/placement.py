@@ -18,16 +18,15 @@ taken as hidden only behind its own compute), then the most units on the devices
 (exact, by dynamic programming over the cut points). One device gives exactly ``plan.make_plan``'s
 plan (the finer cut included). A set of budgets too small in total is refused with a
 ``BudgetError`` of its own (``devices_error``): the budgets given, and the smallest budgets that
-work in the same proportions, per device and in all, in ``max_vram_gb``'s GiB (``plan.gib_text``).
+work in the same proportions, per device and in all, in ``max_vram_gb``'s GiB (``budget.gib_text``).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Sequence
 
-from .plan import (REFIT_MARGIN, WEIGHTS_ALONE, BudgetError, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan,
-                   gib_text, make_plan, refit_reason)
-from .plan import gib_given_text, gib_to_bytes
+from .budget import WEIGHTS_ALONE, BudgetError, gib_given_text, gib_text, gib_to_bytes
+from .plan import REFIT_MARGIN, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan, make_plan, refit_reason
 from .timeline import known, predict
 
 
@@ -103,7 +102,7 @@ def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: b
     to the caller). Raises ValueError with the entry at fault."""
     import re
 
-    from .plan import gib_to_bytes
+    from .budget import gib_to_bytes
 
     out: list[tuple[str, int | None]] = []
     if not text or not text.strip():
@@ -249,8 +248,8 @@ def _refusal(units, devices, options, home=None, held=None) -> BudgetError:
 def devices_error(devices: Sequence[tuple[str, int]], suggestion: Sequence[tuple[str, int]] | None, *,
                   exact: bool, bound: str = WEIGHTS_ALONE, what: str | None = None) -> BudgetError:
     """The one place the text of a refusal with devices is written: the budgets given (rounded
-    down: ``plan.gib_given_text``) and the smallest that work in the same proportions, per device
-    and in all, in the Devices node's form (``cuda:0=…, cuda:1=…``; ``plan.gib_text``: rounded up
+    down: ``budget.gib_given_text``) and the smallest that work in the same proportions, per device
+    and in all, in the Devices node's form (``cuda:0=…, cuda:1=…``; ``budget.gib_text``: rounded up
     at the widget's precision, each of them places), so that a budget given never reads as the
     smallest; "at least" with ``bound`` when the activations were not measured. ``what``: what
     does not fit, where a plan said it (``BudgetError.what``). ``min_budget_bytes`` is the suggestion's total,

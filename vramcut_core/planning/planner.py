@@ -24,10 +24,11 @@ from typing import Callable
 from torch import nn
 
 from ..model import quant
-from . import residency, timeline
+from . import residency, tiers, timeline
 from ..figures import speed
 from ..figures.meters import UnitMeasurement
-from .plan import BudgetError, Plan, PlanOptions, PlanTime, PlanUnit, budget_error, make_plan, measuring_plan
+from .budget import BudgetError, budget_error
+from .plan import Plan, PlanOptions, PlanTime, PlanUnit, make_plan, measuring_plan
 from ..model.tensors import is_plain_tensor
 from ..model.units import Unit, UnitSet, find_units, split_unit
 
@@ -43,6 +44,7 @@ class UnitPlanner:
         self.plan_budget: int | None = None
         self.unitset: UnitSet = find_units(module, config.family)
         self.figures = speed.Figures(module)
+        self.host = None              # the executor's ``HostTiers`` (host bytes of a unit, the disk's rate)
         self.all: dict[str, Unit] = {}
         self.parent: dict[str, str] = {}
         self._reset()
@@ -94,7 +96,7 @@ class UnitPlanner:
         parts = split_unit(self.all[name])
         if not parts:
             return None
-        for p in parts:   # known before their bytes are asked (the executor's layout looks them up)
+        for p in parts:   # known before anything asks for a part's bytes
             self.all[p.name] = p
             self.parent.setdefault(p.name, name)
         if seconds is not None and name in seconds:
@@ -130,8 +132,8 @@ class UnitPlanner:
     def weight_plan(self, options: PlanOptions | None = None) -> Plan:
         """The plan from weights alone (structural order, activations not measured)."""
         units = [self.plan_unit(u, None) for u in self.unitset.units]
-        return make_plan(units, self.config.budget_bytes, options or self.options,
-                         lambda n: self.split(n, None), self.unitset.warnings)
+        return self.tiered(make_plan(units, self.config.budget_bytes, options or self.options,
+                                     lambda n: self.split(n, None), self.unitset.warnings))
 
     def measuring_plan(self, cap: int) -> Plan:
         """The plan of the measured forward: one slot, nothing resident but what must be, every
@@ -157,7 +159,7 @@ class UnitPlanner:
                                detail="it must stay resident")
         slot = max((u.weight_bytes for u in units if not u.keep_resident and u.weight_bytes <= budget - required),
                    default=0)
-        return measuring_plan(units, budget, slot, split, self.unitset.warnings)
+        return self.tiered(measuring_plan(units, budget, slot, split, self.unitset.warnings))
 
     def top(self, name: str) -> str:
         while name in self.parent:
@@ -208,10 +210,21 @@ class UnitPlanner:
         low = self.plan_budget
         if low is not None and low < self.config.budget_bytes:
             try:
-                return self._measured_plan(meas, source, measured, low)
+                return self.tiered(self._measured_plan(meas, source, measured, low))
             except BudgetError:
                 pass  # the margin does not fit: the whole budget
-        return self._measured_plan(meas, source, measured, self.config.budget_bytes)
+        return self.tiered(self._measured_plan(meas, source, measured, self.config.budget_bytes))
+
+    def tiered(self, plan: Plan) -> Plan:
+        """``plan`` with each unit's host tier under the config's RAM budget (``tiers.choose``; a
+        budget below what one call needs is a ``tiers.RamBudgetError``); unchanged without one."""
+        budget = self.config.ram_budget_bytes
+        if budget is None or self.host is None:
+            return plan
+        host = {u.name: self.host.host_unit(u.name) for u in plan.units}
+        bounce = self.host.bounce_bytes(host)
+        return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce,
+                                                          self.host.disk_rate(list(host))))
 
     def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str,
                        measured: dict[str, float] | None, budget: int) -> Plan:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .plan import Plan, budget_gib, need_gib
+from .budget import budget_gib, need_gib
+from .plan import Plan
 from ..model.tensors import fmt_bytes
+from .tiers import tiers_text, tiers_to_json
 
 
 @dataclasses.dataclass
@@ -14,8 +16,10 @@ class RunStats:
 
     forwards: int = 0
     bytes_streamed: int = 0
-    copies: int = 0
+    copies: int = 0            # streamed copies (a transfer of streamed units)
     sync_loads: int = 0        # streamed units that were not prefetched in time and loaded on entry
+    resident_loads: int = 0    # resident units copied in (once, or again after the host wrote into them)
+    time_load_s: float = 0.0   # their copy time (CPU; on CUDA the copy events count it with the copies)
     time_copy_s: float = 0.0
     time_compute_s: float = 0.0
     time_wait_s: float = 0.0
@@ -25,6 +29,7 @@ class RunStats:
     # have completed, which may be in a later forward's stats; CPU: wall time), over ``timed`` forwards
     time_s: float = 0.0
     timed: int = 0
+    disk_bytes_read: int = 0   # read from weights files (disk-tier units, under a RAM budget)
 
     @property
     def s_per_forward(self) -> float | None:
@@ -32,9 +37,9 @@ class RunStats:
         return self.time_s / self.timed if self.timed else None
 
     def add(self, other: "RunStats") -> None:
-        for f in ("forwards", "bytes_streamed", "copies", "sync_loads", "timed"):
+        for f in ("forwards", "bytes_streamed", "copies", "sync_loads", "resident_loads", "timed", "disk_bytes_read"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
-        for f in ("time_copy_s", "time_compute_s", "time_wait_s", "time_s"):
+        for f in ("time_copy_s", "time_load_s", "time_compute_s", "time_wait_s", "time_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.peak_device_bytes = max(self.peak_device_bytes, other.peak_device_bytes)
         self.peak_weight_bytes = max(self.peak_weight_bytes, other.peak_weight_bytes)
@@ -81,6 +86,8 @@ def plan_to_json(plan: Plan, stats: RunStats | None = None, steady: RunStats | N
         out["time"] = time_to_json(plan, steady)
     if plan.refit is not None:
         out["refit"] = dataclasses.asdict(plan.refit)
+    if plan.tiers is not None:
+        out["tiers"] = tiers_to_json(plan.tiers, plan)
     return out
 
 
@@ -184,8 +191,10 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     out += [line(r) for r in rows]
     act = plan.activation_reserve_bytes
     out.append("")
+    window = (f"window {plan.slots}×{fmt_bytes(plan.slot_bytes)}" if plan.slots and plan.slot_bytes
+              else "no streaming window")
     out.append(f"budget {budget_gib(plan.budget_bytes)} · peak {need_gib(plan.peak_bytes)} = resident "
-               f"{fmt_bytes(plan.resident_bytes)} + window {plan.slots}×{fmt_bytes(plan.slot_bytes)} + "
+               f"{fmt_bytes(plan.resident_bytes)} + {window} + "
                f"activations {fmt_bytes(act) if act is not None else 'not measured'}")
     if plan.source is not None:
         out.append(f"activations {plan.source}: " + (
@@ -204,10 +213,15 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     for w in plan.warnings:
         out.append(f"warning: {w}")
     if stats is not None and stats.forwards:
-        out.append(f"measured: {stats.forwards} call(s), streamed {fmt_bytes(stats.bytes_streamed)}, "
-                   f"peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f}s, "
-                   f"wait {stats.time_wait_s:.3f}s, compute {stats.time_compute_s:.3f}s"
-                   + (" (the measuring call included)" if steady is not None else ""))
+        n = stats.forwards
+        k, r = stats.copies, stats.resident_loads
+        out.append(f"measured: {n} call{'' if n == 1 else 's'}"
+                   + (", the measuring one included (it streams every block through one slot)"
+                      if steady is not None else "")
+                   + f": streamed {fmt_bytes(stats.bytes_streamed)} in {k} cop{'y' if k == 1 else 'ies'}"
+                   + (f", {r} resident cop{'y' if r == 1 else 'ies'} (once)" if r else "")
+                   + f", peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f} s, "
+                   f"wait {stats.time_wait_s:.3f} s, compute {stats.time_compute_s:.3f} s")
     tj = time_to_json(plan, steady)
     if tj is not None:
         ratio = f"{tj['predicted_s'] / tj['resident_s']:.2f}× resident" if tj["resident_s"] > 0 else "resident 0 s"
@@ -219,10 +233,12 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
     if plan.refit is not None:
         out.append(f"planned again for {budget_gib(plan.refit.budget_bytes)} (was "
                    f"{budget_gib(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
+    if plan.tiers is not None:
+        out.append(tiers_text(plan.tiers))
     if steady is not None and steady.forwards:
         n = steady.forwards
         out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "
-                   f"{steady.copies / n:g} cop{'y' if steady.copies == n else 'ies'}, wait {steady.time_wait_s / n:.3f}s")
+                   f"{steady.copies / n:g} cop{'y' if steady.copies == n else 'ies'}, wait {steady.time_wait_s / n:.3f} s")
     return "\n".join(out)
 
 

@@ -37,7 +37,25 @@ from .transfers import Transfers
 from .unit_hooks import UnitHooks
 from ..model.units import Unit
 
-_EXECUTORS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+class _OnOneModule:
+    """The executors on each module: they hold device buffers one at a time (two nodes on one
+    model), so before one allocates, the others give theirs back and the device never holds both
+    budgets. Executors of one engine on several devices (one ``group``) coexist."""
+
+    def __init__(self) -> None:
+        self._by_module: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+    def add(self, module: nn.Module, executor: "SegmentedExecutor") -> None:
+        self._by_module.setdefault(module, weakref.WeakSet()).add(executor)
+
+    def release_others(self, module: nn.Module | None, executor: "SegmentedExecutor") -> None:
+        for other in list(self._by_module.get(module, ())) if module is not None else ():
+            if other is not executor and not other.running and other.device_bytes and (
+                    other.group is None or other.group is not executor.group):
+                other.release()
+
+
+_EXECUTORS = _OnOneModule()
 
 
 def _delegate(room: str, attr: str, doc: str) -> property:
@@ -73,7 +91,7 @@ class SegmentedExecutor:
         # the rooms; each registers the finalizer for what it owns
         self.memory = DeviceMemory(units, self.device, alloc_context)
         pin = self.cuda if pin_memory is None else (pin_memory and self.cuda)
-        self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place, keep_file_backed)
+        self.masters = HostMasters(units, self.memory.layout, pin, self.memory.place, keep_file_backed, self.cuda)
         self.binding = Binding(units, self.memory.layout)
         self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units, reader_streams)
         self.hooks = UnitHooks(units, self)
@@ -96,8 +114,8 @@ class SegmentedExecutor:
         self.on_loaded: Callable[[Unit], None] | None = None
         self._stale_copies = False
         self.group = None  # the executors of one engine on several devices (they coexist)
-        if module is not None:  # executors on one module hold device buffers one at a time
-            _EXECUTORS.setdefault(module, weakref.WeakSet()).add(self)
+        if module is not None:
+            _EXECUTORS.add(module, self)
         self._module = weakref.ref(module) if module is not None else None
 
     # -- public API -------------------------------------------------------------------------
@@ -137,16 +155,16 @@ class SegmentedExecutor:
         t0 = time.perf_counter()
         start_ev = None
         ms = self.measuring
-        ms.limit = limit_bytes if measure else None
+        ms.reset(limit_bytes if measure else None)
         self.memory.on_grow = self._check_live if ms.limit is not None else None
-        ms.act_seen = ms.input_bytes = ms.cuda_peak = 0
         self.failed_unit = None
         self._open = None
         self.peak_weight_bytes = self.device_bytes  # this forward's peak, not the executor's lifetime's
         global_hooks = []
         capped = None   # the allocator's fraction to restore after a capped measuring forward
         try:
-            self._release_others()
+            _EXECUTORS.release_others(self._module() if self._module is not None else None, self)
+            self.masters.tiers.check()  # the weights files are as they were (disk-tier units)
             if self.cuda:
                 start_ev = ms.start_cuda()
             self._last_plan = self._plan = plan
@@ -155,11 +173,7 @@ class SegmentedExecutor:
                 self._begin(plan)
             if self.cuda:
                 ms.base = torch.cuda.memory_allocated(self.device) - self.device_bytes
-            ms.make_meter(measure, self.track_cpu_memory, self._check_live, clock)
-            # inputs count as activations; walked only when measuring (not on every forward)
-            ms.input_bytes = _input_bytes(args, kwargs, self.device, self.memory.buffer_bytes) if ms.meter is not None else 0
-            if ms.meter is not None:
-                ms.meter.start()
+            ms.start_meter(measure, self.track_cpu_memory, self._check_live, clock, (args, kwargs))
             if self.cuda:
                 capped = ms.cap_cuda(self.device_bytes + ms.input_bytes)
             if not resumed:
@@ -185,8 +199,7 @@ class SegmentedExecutor:
                 self.hooks.remove()
             elif clock:  # a timed forward hooked the resident units too: back to the steady hooks
                 self.hooks.install(plan, False, self._unhooked())
-            if ms.meter is not None:
-                ms.meter.stop()
+            ms.stop_meter()
             self._after_forward(plan, ok)
             if ok:
                 self._close_group()  # the last streamed group is done: its slot's free event
@@ -240,17 +253,6 @@ class SegmentedExecutor:
             self.binding.drop_held()  # the host writes into (and reads) its masters, not our device copies
         self._stale_copies = True
 
-    def _release_others(self) -> None:
-        """Another executor on the same module (two nodes on one model) gives its buffers back
-        before this one allocates: the device never holds both budgets."""
-        mod = self._module() if self._module is not None else None
-        if mod is None:
-            return
-        for other in list(_EXECUTORS.get(mod, ())):
-            if other is not self and not other.running and other.device_bytes and (
-                    other.group is None or other.group is not self.group):
-                other.release()
-
     def forget_units(self) -> None:
         """Drop layouts and masters (the module's tensors were replaced from outside)."""
         self.release()
@@ -283,6 +285,7 @@ class SegmentedExecutor:
         self._plan = plan
         mem, groups = self.memory, plan.streamed_groups
         mem.free_for(plan, self._stale_copies, self.transfers.order_after_copies)
+        self.masters.tiers.use(plan.tiers)  # under a RAM budget: units leave RAM before others enter
         self.transfers.load_resident(plan, self._stale_copies)
         self._stale_copies = False
         while len(mem.slots) < plan.slots:
@@ -398,21 +401,3 @@ class SegmentedExecutor:
     def _check_live(self, live: int | None = None) -> None:
         self.measuring.check_live(self._running, self._current, live)
 
-
-def _input_bytes(args, kwargs, device: torch.device, size=lambda n: n) -> int:
-    """Bytes of the tensors passed into the forward that live on the compute device (each
-    storage as ``size`` counts it: the allocator's rounding on CUDA)."""
-    from torch.utils._pytree import tree_flatten
-
-    flat, _ = tree_flatten((args, kwargs))
-    seen, total = set(), 0
-    for t in flat:
-        if isinstance(t, torch.Tensor) and t.device.type == device.type and not t.is_meta:
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except Exception:
-                continue
-            if ptr not in seen:
-                seen.add(ptr)
-                total += size(t.untyped_storage().nbytes())
-    return total

@@ -23,6 +23,7 @@ import torch
 
 from ..model import quant
 from ..model.units import Unit
+from ..planning.tiers import RAM
 from .layout import Layout, quant_views, view
 
 _HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every GPU, not only the current one
@@ -223,7 +224,8 @@ class BounceBuffer:
         self._next = (k + 1) % len(self.bufs)
         readers = self._pieces[k].readers
         for ev in list(readers.values()):
-            ev.synchronize()  # hazard: the host refilling a bounce piece a copy still reads
+            if not ev.query():
+                ev.synchronize()  # hazard: the host refilling a bounce piece a copy still reads
         readers.clear()
         return self.bufs[k], k
 
@@ -265,7 +267,7 @@ class _HostMaster:
     Owned for the process: shared by every executor on the same tensors, kept across sessions,
     unregistered when the last owner drops it (after the copies reading it have finished)."""
 
-    def __init__(self, unit: Unit, layout: Layout, place: torch.device | None = None) -> None:
+    def __init__(self, unit: Unit, layout: Layout, place: torch.device | None = None, pin: bool = True) -> None:
         # outside inference mode: the parameters will live in this buffer for good, and must not
         # turn into inference tensors (training nodes leave inference mode)
         with torch.inference_mode(False):
@@ -285,7 +287,8 @@ class _HostMaster:
                 quant.rehome_(t, quant_views(self.buf, t, spans))
         self.readers: dict[int, object] = {}   # copy stream id -> event of its last copy from here
         self._fin = None
-        self.page_locked = _register(self.buf, self.readers, place if place is not None else torch.device("cuda"), self)
+        self.page_locked = pin and _register(self.buf, self.readers,
+                                             place if place is not None else torch.device("cuda"), self)
 
     def backs(self, unit: Unit, layout: Layout) -> bool:
         """Do the unit's tensors still live in this buffer?"""
@@ -328,18 +331,24 @@ class HostMasters:
     executor shares is unpinned by its own finalizer, after the copies that read it."""
 
     def __init__(self, units: Callable[[str], Unit], layout: Callable[[str], Layout], pin: bool,
-                 place: torch.device, keep_file_backed: bool = False) -> None:
+                 place: torch.device, keep_file_backed: bool = False, cuda: bool | None = None) -> None:
         self._unit, self._layout, self.pin, self._place = units, layout, pin, place
+        self.cuda = pin if cuda is None else cuda
         self.keep_file_backed = keep_file_backed
         self.masters: dict[str, _HostMaster] = {}
         self._from_file: dict[str, tuple[tuple, bool]] = {}  # unit -> (its tensors' addresses, answer)
         self._bounce: BounceBuffer | None = None
+        from .host_tiers import HostTiers
+        self.tiers = HostTiers(units, layout, self)  # under a RAM budget: which units are in RAM
 
     def get(self, name: str) -> _HostMaster | None:
         """The flat host master of a streamed unit (CUDA only). None means: copy tensor by tensor
         from where they are (CPU; tensors the host has already page-locked itself), or through
         the bounce buffer (``bounce``: file-backed tensors kept as their own masters)."""
-        if not self.pin or self.from_file(name):
+        tier = self.tiers.of(name)
+        if tier is not None and tier != RAM:
+            return None  # resident or on disk: read from its file
+        if tier is None and (not self.pin or self.from_file(name)):
             return None
         unit, lay = self._unit(name), self._layout(name)
         m = self.masters.get(name)
@@ -354,7 +363,7 @@ class HostMasters:
             if m is None or not m.backs(unit, lay):
                 if any(unit.tensors[i].tensor.is_pinned() for i, _, _ in lay.flat):
                     return None  # the host page-locked them itself: copy from where they are
-                m = _SHARED_MASTERS[key] = _HostMaster(unit, lay, self._place)
+                m = _SHARED_MASTERS[key] = _HostMaster(unit, lay, self._place, pin=self.pin)
             self.masters[name] = m
         return m
 
@@ -377,9 +386,14 @@ class HostMasters:
         """The page-locked bounce buffer a file-backed unit is copied through (CUDA, pinning on); None
         means: copy tensor by tensor from where they are."""
         lay = self._layout(name)
-        if not self.pin or not lay.nbytes or not self.from_file(name):
+        if self.tiers.of(name) is not None:  # under a RAM budget: a unit read from its file
+            if not self.cuda or not self.pin or self.tiers.reads(name) is None:
+                return None
+        elif not self.pin or not lay.nbytes or not self.from_file(name):
             return None
-        w = bounce_buffer(lay.nbytes, self._place)
+        t = self.tiers.tiers
+        # under a RAM budget the pieces are the plan's from the first read: never two buffers at once
+        w = bounce_buffer(t.bounce_bytes // BOUNCE_PIECES if t is not None else lay.nbytes, self._place)
         self._bounce = w  # held while this executor streams: the process keeps one
         return w
 
@@ -389,3 +403,4 @@ class HostMasters:
             m.release()
         self.masters.clear()
         self._from_file.clear()
+        self.tiers.forget()

@@ -33,6 +33,23 @@ class Measuring:
         self.act_seen = self.cuda_peak = self.input_bytes = 0
         self.base = self.base_reserved = 0  # device bytes not ours at forward start
 
+    def reset(self, limit: int | None) -> None:
+        """A forward starts: its live limit (None: none) and its figures from zero."""
+        self.limit = limit
+        self.act_seen = self.input_bytes = self.cuda_peak = 0
+
+    def start_meter(self, measure: bool, track_cpu_memory: bool, check, clock: bool, inputs) -> None:
+        """The forward's meter made (``make_meter``) and started; ``inputs`` (the forward's
+        arguments) count as activations, walked only when a meter runs (not on every forward)."""
+        self.make_meter(measure, track_cpu_memory, check, clock)
+        if self.meter is not None:
+            self.input_bytes = _input_bytes(inputs, self.device, self.memory.buffer_bytes)
+            self.meter.start()
+
+    def stop_meter(self) -> None:
+        if self.meter is not None:
+            self.meter.stop()
+
     def make_meter(self, measure: bool, track_cpu_memory: bool, check, clock: bool = False) -> None:
         """The forward's meter (a CUDA one only when measuring; a CPU one when measuring or
         tracking memory); ``check`` is the limit check a CPU meter calls at every new storage.
@@ -167,7 +184,7 @@ class Measuring:
         """CPU copies are synchronous: compute waits for every one of them."""
         stats.time_wait_s = stats.time_copy_s
         stats.time_s, stats.timed = wall, 1
-        stats.time_compute_s = max(0.0, wall - stats.time_copy_s)
+        stats.time_compute_s = max(0.0, wall - stats.time_copy_s - stats.time_load_s)
         if self.meas is not None:
             stats.peak_device_bytes = self.memory.peak + max(
                 (m.peak_bytes for m in self.meas.values()), default=0)
@@ -212,3 +229,22 @@ class UnitClock:
         for n, a, b in self.spans:
             out[n] = out.get(n, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
         return out
+
+
+def _input_bytes(inputs, device: torch.device, size=lambda n: n) -> int:
+    """Bytes of the tensors passed into the forward that live on the compute device (each
+    storage as ``size`` counts it: the allocator's rounding on CUDA)."""
+    from torch.utils._pytree import tree_flatten
+
+    flat, _ = tree_flatten(inputs)
+    seen, total = set(), 0
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.device.type == device.type and not t.is_meta:
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:
+                continue
+            if ptr not in seen:
+                seen.add(ptr)
+                total += size(t.untyped_storage().nbytes())
+    return total

@@ -19,6 +19,8 @@ from) and ``binding`` (where a tensor's master is).
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import time
 import weakref
@@ -31,8 +33,9 @@ from ..planning.plan import Plan
 from ..planning.schedule import Schedule, schedule_of
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
-from .host_memory import (PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size, masters_holding,
-                          staged)
+from . import disk, host_memory
+from .host_memory import (BOUNCE_PIECE, PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size,
+                          masters_holding, staged)
 from .layout import quant_views, view
 
 
@@ -137,11 +140,17 @@ class Transfers:
         if other:
             mem.account(other)
         st = self.stats
-        if st is not None:
+        if st is not None and any(n not in mem.resident_names for n in names):
             st.copies += 1
             st.bytes_streamed += sum(mem.unit_bytes(n) for n in names if n not in mem.resident_names)
             if not self.cuda:
                 st.time_copy_s += time.perf_counter() - t0
+        elif st is not None:
+            # a resident unit's copy, once (the first planned call, or the host wrote into it): not
+            # streaming, which is what a call pays each time
+            st.resident_loads += 1
+            if not self.cuda:
+                st.time_load_s += time.perf_counter() - t0
         if self.cuda and sync:
             self.order_readers(done)
         return out
@@ -186,13 +195,18 @@ class Transfers:
         unit, lay, place = self._unit(name), self.memory.layout(name), self.memory.place
         dc = DeviceCopy()
         dc.unit = name
-        whole = bounce is not None or (master is not None and lay.nbytes)  # one flat copy of the unit
-        if bounce is not None:
+        reads = self.masters.tiers.reads(name) if master is None else None  # a disk-tier unit
+        whole = reads is not None or bounce is not None or (master is not None and lay.nbytes)  # one flat copy
+        if reads is not None:
+            self._read_disk(buf, base, lay.nbytes, bounce, reads)
+        elif bounce is not None:
             self._through_bounce(name, buf, base, bounce, compute)
         elif whole:
             # a pageable master would make the copy wait for the compute stream on the host
-            src_buf, async_ok = (master.buf, True) if master.page_locked else staged(master.buf, place,
-                                                                                          self._staged_bytes)
+            # (under a RAM budget nothing is staged: the copy is synchronous, on purpose)
+            src_buf, async_ok = ((master.buf, True) if master.page_locked
+                                 else (master.buf, False) if not self.cuda or self.masters.tiers.tiers is not None
+                                 else staged(master.buf, place, self._staged_bytes))
             if src_buf is not master.buf:
                 self._staged_bytes += host_alloc_size(src_buf.numel())
             buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
@@ -246,6 +260,50 @@ class Transfers:
             done = torch.cuda.Event()
             done.record(self.copy_stream)
             bounce.read_by(k, self.copy_stream, done)
+
+    def _read_disk(self, buf: torch.Tensor, base: int, nbytes: int, bounce: BounceBuffer | None,
+                   reads: list) -> None:
+        """Fill ``buf`` from byte ``base`` with a disk-tier unit's bytes, read from its files on the
+        reader thread (``disk.reader``; ``preadv`` releases the GIL): on CPU straight into the
+        buffer; on CUDA piece by piece into the page-locked bounce buffer, the read of the next
+        piece running while the copy of this one is issued (a piece is refilled only after its
+        copy: ``BounceBuffer.take``). Without a page-locked bounce buffer each piece is read into
+        pageable memory and copied synchronously, on purpose."""
+        pool = disk.reader()
+        st = self.stats
+        if not self.cuda:
+            got = pool.submit(disk.read_into, buf[base:base + nbytes], reads).result()
+            if st is not None:
+                st.disk_bytes_read += got
+            return
+        piece = bounce.piece if bounce is not None else min(BOUNCE_PIECE, nbytes)
+        pending: collections.deque = collections.deque()
+
+        def issue() -> None:
+            fut, src, k, lo, hi = pending.popleft()
+            got = fut.result()  # the host waits for the read itself
+            if st is not None:
+                st.disk_bytes_read += got
+            buf[base + lo:base + hi].copy_(src[:hi - lo], non_blocking=bounce is not None)
+            if bounce is not None:
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+                bounce.read_by(k, self.copy_stream, done)
+
+        try:
+            for lo in range(0, nbytes, piece):
+                hi = min(lo + piece, nbytes)
+                if bounce is not None and len(pending) == len(bounce.bufs):
+                    issue()  # before its piece is taken again
+                src, k = bounce.take() if bounce is not None else (host_memory._host_buffer(piece), -1)
+                pending.append((pool.submit(disk.read_into, src, disk.clip(reads, lo, hi)), src, k, lo, hi))
+                if bounce is None:
+                    issue()
+            while pending:
+                issue()
+        finally:
+            for fut, *_ in pending:  # a read failed: the others finish before their pieces are reused
+                concurrent.futures.wait([fut])
 
     def _source(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """What a copy of one host tensor reads, and whether it may be asynchronous: on CUDA,

@@ -1,11 +1,11 @@
 // Which plan is a node's: the live events meant for it, the plans seen in this page, and the
 // server's /history a reloaded page gets its plans back from.
 //
-// A plan belongs to the run that made it. A run of a saved workflow is known by the workflow's
-// id; a workflow that was cleared (Clear Workflow, a new blank one) has no id of its own until it
-// is saved, so its runs are remembered by prompt id in the browser's storage from the moment
-// their plans arrive, and forgotten when that workflow is cleared: a look-alike graph built after
-// a clear never gets the plan of the one before.
+// A plan belongs to the run that made it, and a run to the workflow (the tab) it was queued from:
+// the prompt ids of each workflow's runs are kept in the browser's storage, by the workflow's path,
+// from the moment their plans arrive, and forgotten when that workflow is cleared. A workflow id
+// is no proof (copies opened from one file, a template opened twice, share it), and neither is a
+// look-alike graph: a copy that never ran shows no plan, however like the one that ran it is.
 // Rule: nothing happens at import (ComfyUI also loads this file on its own as an extension
 // script); `app` and `api` come in as arguments.
 
@@ -14,11 +14,9 @@ import { lastPayload } from "./payload.js";
 const HISTORY_ITEMS = 64;
 const HISTORY_MAX_AGE_MS = 3000;
 const WIDGET_NAME = "vramcut_plan";
-// A cleared workflow ("Clear Workflow", or a new blank one) has this id until it is saved or
-// loaded again, when the frontend gives it a new one: its runs cannot be found by id.
-const NO_GRAPH_ID = "00000000-0000-0000-0000-000000000000";
-const RUNS_KEY = "vramcut.unsavedRuns"; // prompt ids of the runs of the cleared workflow on screen
-const MAX_RUNS = 64;
+const RUNS_KEY = "vramcut.runs"; // {workflow path: prompt ids of its runs}
+const MAX_RUNS = 64;     // per workflow
+const MAX_WORKFLOWS = 64;
 
 /** True when an event for `target` ("7", or a subgraph path "12:7") is meant for this node. */
 function eventIsFor(node, target) {
@@ -58,27 +56,22 @@ function samePrompt(prompt, graph) {
   });
 }
 
-/** The workflow a run was queued from has the same nodes (ids and types) as this node's. */
-function sameWorkflow(saved, node) {
-  const nodes = Array.isArray(saved?.nodes) ? saved.nodes : [];
-  const ids = (list) => list.map((n) => `${n?.id}:${n?.type}`).sort().join(",");
-  return ids(nodes) === ids(node.graph?.nodes ?? []);
-}
-
 function readRuns() {
   try {
-    const v = JSON.parse(globalThis.localStorage?.getItem(RUNS_KEY) ?? "[]");
-    return Array.isArray(v) ? v.map(String) : [];
+    const v = JSON.parse(globalThis.localStorage?.getItem(RUNS_KEY) ?? "{}");
+    return v && typeof v === "object" && !Array.isArray(v) ? v : {};
   } catch {
-    return [];
+    return {};
   }
 }
 
-function writeRuns(list) {
+function writeRuns(runs) {
+  const keys = Object.keys(runs);
+  for (const k of keys.slice(0, Math.max(0, keys.length - MAX_WORKFLOWS))) delete runs[k];
   try {
-    globalThis.localStorage?.setItem(RUNS_KEY, JSON.stringify(list.slice(-MAX_RUNS)));
+    globalThis.localStorage?.setItem(RUNS_KEY, JSON.stringify(runs));
   } catch {
-    // storage full or off: a reloaded cleared workflow then finds no plan, never a wrong one
+    // storage full or off: a reloaded workflow then finds no plan, never a wrong one
   }
 }
 
@@ -98,7 +91,49 @@ export class PlanHistory {
       this.runningPrompt = e?.detail?.prompt_id ?? null;
     });
     // the cleared workflow's runs end with it
-    api.addEventListener("graphCleared", () => writeRuns([]));
+    api.addEventListener("graphCleared", () => this.forgetRuns());
+    // A loaded workflow's nodes are configured before the frontend makes it the active one:
+    // which workflow they are in is known once the load has returned. Content opened from a file
+    // or a template (the load names it; not a tab switch, which passes the workflow itself, nor
+    // the page's first load, which restores the tabs) starts without runs, even in a tab (a path)
+    // that had some.
+    this.loading = 0;
+    this.loaded = [];
+    this.started = false;
+    this.gone = new Set(); // runs of content no longer on screen (cleared, or loaded over)
+    // A run is the workflow's that queued it: recorded when queued, so its events never land on
+    // another tab, or on content loaded since.
+    const queue = api.queuePrompt;
+    if (typeof queue === "function") {
+      const history = this;
+      api.queuePrompt = async function (...args) {
+        const key = history.workflowKey();
+        const r = await queue.apply(this, args);
+        if (r?.prompt_id) history.addRun(key, r.prompt_id);
+        return r;
+      };
+    }
+    const load = app.loadGraphData;
+    if (typeof load === "function") {
+      const history = this;
+      app.loadGraphData = async function (...args) {
+        const fresh = history.started && typeof args[3] === "string";
+        history.loading += 1;
+        try {
+          return await load.apply(this, args);
+        } finally {
+          history.loading -= 1;
+          history.started = true;
+          if (fresh) history.forgetRuns();
+          if (!history.loading) for (const f of history.loaded.splice(0)) f();
+        }
+      };
+    }
+  }
+
+  /** Resolves once no workflow is being loaded (at once when none is). */
+  afterLoad() {
+    return this.loading ? new Promise((resolve) => this.loaded.push(resolve)) : Promise.resolve();
   }
 
   graphId() {
@@ -106,14 +141,53 @@ export class PlanHistory {
     return g?.id ? String(g.id) : null;
   }
 
-  key(node) {
-    return `${this.graphId() ?? ""}:${node.id}`;
+  /** The workflow on screen: its path (each open copy has its own), else the graph's id. */
+  workflowKey() {
+    const wf = this.app.extensionManager?.workflow?.activeWorkflow;
+    return String(wf?.path ?? wf?.key ?? this.graphId() ?? "");
   }
 
-  /** True when a live event is meant for `node` and for the prompt running now. */
+  key(node) {
+    return `${this.workflowKey()}:${node.id}`;
+  }
+
+  /** The prompt ids of the runs of the workflow on screen. */
+  runs() {
+    return new Set((readRuns()[this.workflowKey()] ?? []).map(String));
+  }
+
+  forgetRuns() {
+    const runs = readRuns();
+    for (const pid of runs[this.workflowKey()] ?? []) this.gone.add(String(pid));
+    if (this.runningPrompt) this.gone.add(String(this.runningPrompt)); // still running: not this content's
+    delete runs[this.workflowKey()];
+    writeRuns(runs);
+    for (const k of [...this.seen.keys()]) if (k.startsWith(`${this.workflowKey()}:`)) this.seen.delete(k);
+  }
+
+  /** True when a live event is meant for `node`: its id, and a prompt of the workflow on screen
+   * (one this page queued from it; else, one it did not queue elsewhere, the prompt running now). */
   isFor(node, detail) {
     if (!detail || !eventIsFor(node, detail.node)) return false;
-    return !detail.prompt_id || !this.runningPrompt || detail.prompt_id === this.runningPrompt;
+    return this.ownPrompt(detail.prompt_id ?? this.runningPrompt);
+  }
+
+  /** Whether prompt `pid` may draw on the workflow on screen (see isFor). */
+  ownPrompt(pid) {
+    if (!pid) return true;
+    pid = String(pid);
+    if (this.runs().has(pid)) return true;
+    if (this.gone.has(pid) || Object.values(readRuns()).some((list) => list.map(String).includes(pid))) return false;
+    return !this.runningPrompt || pid === String(this.runningPrompt);
+  }
+
+  addRun(key, pid) {
+    const runs = readRuns();
+    const mine = (runs[key] ?? []).map(String);
+    if (mine.includes(String(pid))) return;
+    delete runs[key]; // newest last: the least recently run workflows are forgotten first
+    runs[key] = [...mine, String(pid)].slice(-MAX_RUNS);
+    writeRuns(runs);
   }
 
   /** A plan shown on `node`; `run`: it came from a run of this page (an event or the node's
@@ -121,10 +195,7 @@ export class PlanHistory {
   remember(node, payload, { run = false } = {}) {
     this.seen.set(this.key(node), { payload, inputs: graphInputs(node.graph) });
     const pid = run ? this.runningPrompt : null;
-    if (pid && this.graphId() === NO_GRAPH_ID) {
-      const runs = readRuns();
-      if (!runs.includes(String(pid))) writeRuns([...runs, String(pid)]);
-    }
+    if (pid && this.ownPrompt(pid)) this.addRun(this.workflowKey(), pid);
   }
 
   /** The plan this page showed on `node` for the inputs it has now, or null. */
@@ -143,28 +214,21 @@ export class PlanHistory {
     return this.request;
   }
 
-  /** After a page reload: the newest plan of a run of this workflow that had the node's inputs
-   * (the id and type of the node, the widgets of every node it shares with the run). */
+  /** After a page reload: the newest plan of a run of this workflow (its own runs, remembered
+   * by this browser) that had the node's inputs (the id and type of the node, the widgets of
+   * every node it shares with the run). */
   async fromHistory(node) {
+    const mine = this.runs();
+    if (!mine.size) return null;
     const history = await this.recent();
     const id = String(node.id);
-    const gid = this.graphId();
-    if (!gid) return null;
-    const unsaved = new Set(readRuns());
     let found = null;
     for (const [promptId, entry] of Object.entries(history ?? {})) {
       const out = entry?.outputs?.[id]?.vramcut;
       if (!out) continue;
       const prompt = Array.isArray(entry.prompt) ? entry.prompt : [];
+      if (!mine.has(String(prompt[1] ?? promptId))) continue;
       if (prompt[2]?.[id]?.class_type !== node.type || !samePrompt(prompt[2], node.graph)) continue;
-      // only this workflow's own runs (a prompt sent through the API names no workflow)
-      const saved = prompt[3]?.extra_pnginfo?.workflow;
-      const wf = saved?.id ? String(saved.id) : null;
-      if (!wf) continue;
-      // a cleared workflow's runs are the ones this page made since it was cleared (it gets an
-      // id of its own when loaded again): a look-alike graph built after another clear is not
-      // the one that ran
-      if (wf === NO_GRAPH_ID ? !(unsaved.has(String(prompt[1] ?? promptId)) && sameWorkflow(saved, node)) : wf !== gid) continue;
       found = lastPayload(out) ?? found; // the history lists the newest last
     }
     return found;

@@ -19,7 +19,7 @@ export function fitText(ctx, text, maxW) {
 }
 
 export function wrapText(ctx, text, maxW, maxLines = 4) {
-  const words = String(text).split(/\s+/).filter(Boolean);
+  const words = String(text).split(/\s+/).filter(Boolean).flatMap((w) => breakWord(ctx, w, maxW));
   const lines = [];
   let cur = "";
   for (const w of words) {
@@ -37,6 +37,25 @@ export function wrapText(ctx, text, maxW, maxLines = 4) {
     return kept;
   }
   return lines.map((l) => fitText(ctx, l, maxW));
+}
+
+/** A word wider than the line (a long module path) in pieces that fit: after its dots where it
+ * has them, else anywhere; so it wraps whole instead of being cut. */
+function breakWord(ctx, word, maxW) {
+  if (ctx.measureText(word).width <= maxW) return [word];
+  const pieces = [];
+  let cur = "";
+  for (const part of word.split(/(?<=\.)/)) {
+    for (const ch of ctx.measureText(part).width <= maxW ? [part] : [...part]) {
+      if (cur && ctx.measureText(cur + ch).width > maxW) {
+        pieces.push(cur);
+        cur = "";
+      }
+      cur += ch;
+    }
+  }
+  if (cur) pieces.push(cur);
+  return pieces;
 }
 
 export function roundRect(ctx, x, y, w, h, r) {

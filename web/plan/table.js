@@ -82,7 +82,14 @@ export function fillTable(el, payload) {
     block.className = "vramcut-plan-table-model";
     if (idx) Object.assign(block.style, { marginTop: "8px", paddingTop: "6px", borderTop: "1px solid var(--border-color, #4e4e4e)" });
     block.append(line(m.label, { fontWeight: "700" }));
-    block.append(line(answer(m, payload.budget_bytes, refusalFor(payload, m)).line));
+    const refused = refusalFor(payload, m);
+    block.append(line(answer(m, payload.budget_bytes, refused).line));
+    if (refused) {
+      // the plan drawn before the run does not answer any more: the refusal does
+      block.append(line(refused.message, { color: "var(--descrip-text, #999)" }));
+      el.append(block);
+      return;
+    }
     block.append(line(`${blockCount(m.plan)} in ${segmentCounts(m.plan)}`, { color: "var(--descrip-text, #999)" }));
     block.append(segmentTable(m.plan));
     // Python's summary: the lines after its own fixed-width table (which the rows above replace)

@@ -1,14 +1,14 @@
-// The plan's DOM widget: the canvas, the "details" / "table" buttons, the table, and the one
-// tooltip every plan on the page shares.
+// The plan's DOM widget: the canvas, the "details" / "table" buttons and the table.
 //
 // PlanView owns its element, its canvas and their observers, and schedules every redraw through
 // requestAnimationFrame (one frame, however many changes); `destroy` undoes all of it. It owns
 // the node's fit (fit.js) and asks it to fit whenever what it shows changes. Pointer events on
-// the plan are handed to LiteGraph, so the plan acts like the rest of the node. `attachPlan`
-// gives a new node its view, its widget and its live events.
+// the plan are handed to LiteGraph (pointer.js), so the plan acts like the rest of the node; the
+// tooltip and the palette watch are the page's (tip.js). `attachPlan` gives a new node its view,
+// its widget and its live events.
 // Rule: nothing happens at import (ComfyUI also loads this file on its own as an extension
-// script): the page-wide listeners start in `watchPage()`, called by the extension, and ComfyUI's
-// `app` comes in as an argument (its scripts/app.js is one folder further away from here).
+// script), and ComfyUI's `app` comes in as an argument (its scripts/app.js is one folder further
+// away from here).
 
 import { normalizePayload, summarize } from "./payload.js";
 import { answer, refusal, refusalFor } from "./format.js";
@@ -17,88 +17,55 @@ import { COLORS, FONT_FALLBACK, readTheme } from "./theme.js";
 import { fillTable } from "./table.js";
 import { MARGIN, MIN_NODE_WIDTH, NodeFit } from "./fit.js";
 import { syncVueHeader, unusedOutputs } from "./node.js";
+import { forgetView, views } from "./tip.js";
+import { handPointerToGraph } from "./pointer.js";
+import { devicesLinked, showThousandths } from "./devices.js";
 
 const WIDGET_NAME = "vramcut_plan";
 const VIEW_PROPERTY = "vramcut_view";   // "details" when the user expanded the node (a user edit)
 const LEGACY_PROPERTY = "vramcut_plan"; // older versions saved the plan here: still shown, never written
-const BUDGET_WIDGETS = new Set(["max_vram_gb", "reserve_gb"]);
 
-// One small styled tooltip for every plan on the page (a canvas `title` would be a raw dump in
-// the browser's own font).
-let tipEl = null;
-
-function tooltip() {
-  if (tipEl) return tipEl;
-  tipEl = document.createElement("div");
-  tipEl.className = "vramcut-tip";
-  Object.assign(tipEl.style, {
-    position: "fixed", zIndex: "10000", pointerEvents: "none", display: "none", maxWidth: "320px",
-    padding: "6px 9px", borderRadius: "6px", whiteSpace: "pre-line",
-    font: `500 12px/1.4 ${FONT_FALLBACK}`, color: "var(--fg-color, #eee)",
-    background: "var(--comfy-menu-bg, #2b2b2b)", border: "1px solid var(--border-color, #4e4e4e)",
-    boxShadow: "0 4px 14px rgba(0, 0, 0, 0.35)",
+/** The widget's elements: the plan's box, its canvas, the table (hidden) and the buttons' bar;
+ * `onDetails`, `onTable`: what the two buttons do. */
+function planElements(onDetails, onTable) {
+  const el = document.createElement("div");
+  el.className = "vramcut-plan";
+  Object.assign(el.style, {
+    position: "relative", width: "100%", height: "100%", boxSizing: "border-box",
+    overflow: "hidden", fontFamily: FONT_FALLBACK,
   });
-  document.body.append(tipEl);
-  return tipEl;
-}
+  el.dataset.residentColor = COLORS.resident;
+  el.dataset.streamedColor = COLORS.streamed;
+  el.dataset.activationColor = COLORS.activation;
+  el.dataset.idleColor = COLORS.idle;
 
-function showTip(text, clientX, clientY) {
-  const t = tooltip();
-  if (!text) {
-    t.style.display = "none";
-    return;
-  }
-  if (t.textContent !== text) t.textContent = text;
-  t.style.display = "block";
-  const r = t.getBoundingClientRect();
-  const x = Math.min(clientX + 14, window.innerWidth - r.width - 6);
-  const y = clientY + 18 + r.height > window.innerHeight ? clientY - r.height - 10 : clientY + 18;
-  t.style.left = `${Math.max(4, x)}px`;
-  t.style.top = `${Math.max(4, y)}px`;
-}
+  const canvas = document.createElement("canvas");
+  canvas.className = "vramcut-plan-canvas";
+  Object.assign(canvas.style, { display: "block", width: "100%", height: "100%" });
 
-// Hover is followed from the window (the plan hands its own pointer events to LiteGraph).
-const views = new Set();
-let tipOwner = null;
-function hover(e) {
-  let hit = null;
-  for (const v of views) {
-    const tip = v.tipAt(e.clientX, e.clientY);
-    if (tip !== null) {
-      hit = [v, tip];
-      break;
-    }
-  }
-  if (hit) {
-    tipOwner = hit[0];
-    showTip(hit[1], e.clientX, e.clientY);
-  } else if (tipOwner) {
-    tipOwner = null;
-    showTip(null);
-  }
-}
-
-// A palette switch changes the page's CSS variables (a class on <html>, its style, or a style
-// sheet): redraw every plan whose colours no longer match, without waiting for the next plan.
-let themeCheck = 0;
-function onThemeMaybeChanged() {
-  if (themeCheck) return;
-  themeCheck = requestAnimationFrame(() => {
-    themeCheck = 0;
-    for (const v of views) v.checkTheme();
+  // the table: as wide as the node (names wrap, numbers stay whole), scrolled only downwards
+  const pre = document.createElement("div");
+  pre.className = "vramcut-plan-table";
+  Object.assign(pre.style, {
+    display: "none", position: "absolute", left: "0", right: "0", top: `${HEADER_H}px`, bottom: "0",
+    margin: "0", padding: "4px 6px", overflowX: "hidden", overflowY: "auto", pointerEvents: "auto",
+    font: `11px/1.35 ${FONT_FALLBACK}`, fontVariantNumeric: "tabular-nums",
+    background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)",
+    border: "1px solid var(--border-color, #4e4e4e)", borderRadius: "4px", boxSizing: "border-box",
+    userSelect: "text",
   });
-}
+  // the table scrolls on its own; the graph zooms everywhere else
+  pre.addEventListener("wheel", (e) => e.stopPropagation(), { passive: true });
 
-let watching = false;
-
-/** Start the page-wide listeners the plans share (hover, palette switches); once per page. */
-export function watchPage() {
-  if (watching) return;
-  watching = true;
-  window.addEventListener("pointermove", hover, { passive: true });
-  new MutationObserver(onThemeMaybeChanged).observe(document.documentElement, { attributes: true, attributeFilter: ["class", "style"] });
-  new MutationObserver(onThemeMaybeChanged).observe(document.head, { childList: true, subtree: true, characterData: true });
-  window.addEventListener("pointerdown", () => tipOwner && showTip(null), { passive: true, capture: true });
+  const bar = document.createElement("div");
+  Object.assign(bar.style, { position: "absolute", right: "0", top: "0", display: "flex", gap: "4px" });
+  const detailsButton = makeButton("details", "Show every segment, the legend and all warnings", onDetails);
+  detailsButton.className = "vramcut-plan-details";
+  const button = makeButton("table", "Show the plan as a text table", onTable);
+  button.className = "vramcut-plan-toggle";
+  bar.append(detailsButton, button);
+  el.append(canvas, pre, bar);
+  return { el, canvas, pre, bar, detailsButton, button };
 }
 
 function makeButton(text, title, onClick) {
@@ -137,70 +104,13 @@ export class PlanView {
     this.themeKey = "";
     this.themeCheckedAt = 0;
 
-    const el = document.createElement("div");
-    el.className = "vramcut-plan";
-    Object.assign(el.style, {
-      position: "relative", width: "100%", height: "100%", boxSizing: "border-box",
-      overflow: "hidden", fontFamily: FONT_FALLBACK,
-    });
-    el.dataset.residentColor = COLORS.resident;
-    el.dataset.streamedColor = COLORS.streamed;
-    el.dataset.activationColor = COLORS.activation;
-    el.dataset.idleColor = COLORS.idle;
-
-    const canvas = document.createElement("canvas");
-    canvas.className = "vramcut-plan-canvas";
-    Object.assign(canvas.style, { display: "block", width: "100%", height: "100%" });
-
-    // the table: as wide as the node (names wrap, numbers stay whole), scrolled only downwards
-    const pre = document.createElement("div");
-    pre.className = "vramcut-plan-table";
-    Object.assign(pre.style, {
-      display: "none", position: "absolute", left: "0", right: "0", top: `${HEADER_H}px`, bottom: "0",
-      margin: "0", padding: "4px 6px", overflowX: "hidden", overflowY: "auto", pointerEvents: "auto",
-      font: `11px/1.35 ${FONT_FALLBACK}`, fontVariantNumeric: "tabular-nums",
-      background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)",
-      border: "1px solid var(--border-color, #4e4e4e)", borderRadius: "4px", boxSizing: "border-box",
-      userSelect: "text",
-    });
-    // the table scrolls on its own; the graph zooms everywhere else
-    pre.addEventListener("wheel", (e) => e.stopPropagation(), { passive: true });
-
-    const bar = document.createElement("div");
-    Object.assign(bar.style, { position: "absolute", right: "0", top: "0", display: "flex", gap: "4px" });
-    this.detailsButton = makeButton("details", "Show every segment, the legend and all warnings",
-      () => this.chooseDetails(!this.details));
-    this.detailsButton.className = "vramcut-plan-details";
-    this.button = makeButton("table", "Show the plan as a text table", () => this.toggleTable());
-    this.button.className = "vramcut-plan-toggle";
-    bar.append(this.detailsButton, this.button);
-    this.bar = bar;
-
-    el.append(canvas, pre, bar);
-    this.el = el;
-    this.canvas = canvas;
-    this.pre = pre;
-    this.ctx = canvas.getContext("2d");
-
-    // The host wraps the widget in an element that takes pointer events: hand them to LiteGraph's
-    // canvas, so right-clicking and zooming on the plan act on the node and the graph as they do
-    // anywhere else. LiteGraph treats a press on a widget as the widget's, never as a node drag,
-    // so a left-button drag on the plan moves the node here. The buttons and the table keep theirs.
-    const forward = (e) => {
-      const target = this.app.canvas?.canvas;
-      if (!target || e.target.closest?.("button, .vramcut-plan-table")) return;
-      if (e.type === "pointerdown" && e.button === 0) return this.dragNode(e);
-      if (e.type === "wheel" || e.type === "contextmenu" || e.type === "pointerdown") e.preventDefault();
-      e.stopPropagation();
-      const Ctor = e.type === "wheel" ? WheelEvent : e.type.startsWith("pointer") ? PointerEvent : MouseEvent;
-      target.dispatchEvent(new Ctor(e.type, e));
-      if (e.type === "pointermove") this.onPointerMove(e);
-    };
-    for (const type of ["pointerdown", "pointermove", "pointerup", "contextmenu", "wheel"])
-      el.addEventListener(type, forward, { passive: false });
+    const { el, canvas, pre, bar, detailsButton, button } = planElements(
+      () => this.chooseDetails(!this.details), () => this.toggleTable());
+    Object.assign(this, { el, canvas, pre, bar, detailsButton, button, ctx: canvas.getContext("2d") });
+    handPointerToGraph(this);
 
     this.resizeObserver = typeof ResizeObserver === "function" ? new ResizeObserver(() => this.scheduleDraw()) : null;
-    this.resizeObserver?.observe(el);
+    this.resizeObserver?.observe(this.el);
     views.add(this);
     this.fit = new NodeFit(node, this);
     this.updateDataset();
@@ -224,20 +134,24 @@ export class PlanView {
   }
 
   /** A loaded workflow: its view (details or not) as saved, and its plan as this page or the
-   * server's history knows it (`history`: a PlanHistory). */
+   * server's history knows it (`history`: a PlanHistory), once the load says which workflow
+   * the node is in. */
   restore(history) {
     this.fit.settle(); // a loaded workflow keeps its saved size
     this.setDetails(this.node.properties?.[VIEW_PROPERTY] === "details");
-    const known = history.known(this.node) ?? this.node.properties?.[LEGACY_PROPERTY];
-    if (known) {
-      history.remember(this.node, known);
-      this.show(known, { restore: true });
-      return;
-    }
-    history.fromHistory(this.node).then((p) => {
-      if (!p || this.payload || this.node.vramcutView !== this) return;
-      history.remember(this.node, p);
-      this.show(p, { restore: true });
+    history.afterLoad().then(() => {
+      if (this.node.vramcutView !== this) return;
+      const known = history.known(this.node) ?? this.node.properties?.[LEGACY_PROPERTY];
+      if (known) {
+        history.remember(this.node, known);
+        this.show(known, { restore: true });
+        return;
+      }
+      history.fromHistory(this.node).then((p) => {
+        if (!p || this.payload || this.node.vramcutView !== this) return;
+        history.remember(this.node, p);
+        this.show(p, { restore: true });
+      });
     });
   }
 
@@ -253,7 +167,14 @@ export class PlanView {
 
   /** Warn about outputs that lead nowhere (the node's links changed, or a frame looked). */
   checkLinks() {
-    if (this.setUnused(unusedOutputs(this.node))) this.fit.contentChanged();
+    const linked = devicesLinked(this.node);
+    const changed = linked !== this.devicesLinked;
+    if (changed) {
+      this.devicesLinked = linked;
+      this.el.dataset.devicesLinked = String(linked);
+      this.scheduleDraw();
+    }
+    if (this.setUnused(unusedOutputs(this.node)) || changed) this.fit.contentChanged();
   }
 
   setDetails(on) {
@@ -311,7 +232,8 @@ export class PlanView {
   }
 
   renderOptions() {
-    return { reserveRight: (this.bar.offsetWidth || 110) + 6, details: this.details, zoom: this.zoom(), unused: this.unused };
+    return { reserveRight: (this.bar.offsetWidth || 110) + 6, details: this.details, zoom: this.zoom(), unused: this.unused,
+      devicesLinked: !!this.devicesLinked };
   }
 
   /** Content height at a css width (at zoom 1), measured by the same pass that paints; with the
@@ -319,7 +241,7 @@ export class PlanView {
   contentHeight(width) {
     const W = Math.max(120, Math.round(width));
     const theme = readTheme(this.el);
-    const key = `${W}|${theme.font}|${this.details}|${this.unused.join(",")}|${this.showTable}`;
+    const key = `${W}|${theme.font}|${this.details}|${this.unused.join(",")}|${this.showTable}|${!!this.devicesLinked}`;
     if (this.heightCache?.payload !== this.payload || this.heightCache.key !== key) {
       const opts = { ...this.renderOptions(), zoom: 1 };
       const out = render(this.ctx, this.payload, W, theme, false, opts);
@@ -423,55 +345,6 @@ export class PlanView {
     return tip ?? "";
   }
 
-  onPointerMove(e) {
-    hover(e);
-  }
-
-  /** Move the node with the pointer (selected and brought to the front, as LiteGraph does). */
-  dragNode(e) {
-    e.preventDefault();
-    e.stopPropagation();
-    const node = this.node;
-    const lg = this.app.canvas;
-    if (!lg) return;
-    lg.selectNode?.(node, e.shiftKey || e.ctrlKey);
-    lg.bringToFront?.(node);
-    const scale = lg.ds?.scale || 1;
-    const start = [e.clientX, e.clientY];
-    const from = [node.pos[0], node.pos[1]];
-    const el = this.el;
-    try {
-      el.setPointerCapture(e.pointerId);
-    } catch {
-      // a synthetic event has no pointer to capture: the moves still arrive while over the plan
-    }
-    const move = (ev) => {
-      node.pos[0] = from[0] + (ev.clientX - start[0]) / scale;
-      node.pos[1] = from[1] + (ev.clientY - start[1]) / scale;
-      lg.setDirty?.(true, true);
-      ev.stopPropagation();
-    };
-    const up = (ev) => {
-      el.removeEventListener("pointermove", move, true);
-      el.removeEventListener("pointerup", up, true);
-      el.removeEventListener("pointercancel", up, true);
-      try {
-        el.releasePointerCapture(ev.pointerId);
-      } catch {
-        // already released
-      }
-      ev.stopPropagation();
-      // the workflow changed like any node move (the change tracker sees it now, with an undo step)
-      // (captureCanvasState on newer frontends, where checkState is deprecated)
-      const ct = this.app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
-      if (typeof ct?.captureCanvasState === "function") ct.captureCanvasState();
-      else ct?.checkState?.();
-    };
-    el.addEventListener("pointermove", move, true);
-    el.addEventListener("pointerup", up, true);
-    el.addEventListener("pointercancel", up, true);
-  }
-
   destroy() {
     this.onDestroy?.();
     this.onDestroy = null;
@@ -479,8 +352,7 @@ export class PlanView {
     this.frame = 0;
     this.resizeObserver?.disconnect();
     this.resizeObserver = null;
-    views.delete(this);
-    if (tipOwner === this) showTip(null);
+    forgetView(this);
   }
 }
 
@@ -503,11 +375,7 @@ export function attachPlan(node, app, api, history) {
   });
   widget.serialize = false; // keep widgets_values to the real inputs
   node.vramcutWidget = widget;
-  // The budgets step by 0.05 GiB and round to 0.001 GiB; the host shows as many decimals as the
-  // step has, so 0.001 read "0.00": show the three the rounding keeps.
-  for (const w of node.widgets ?? []) {
-    if (BUDGET_WIDGETS.has(w.name) && w.options) w.options.precision = 3;
-  }
+  showThousandths(node);
   const onEvent = (e) => {
     const detail = e?.detail;
     if (!history.isFor(node, detail)) return;
