@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import os
 import sys
 import time
@@ -75,7 +76,9 @@ PUBLISHED = [
         "generated successfully in 15.45 seconds\" (with it: 74.85 s). The GPU is not named (peak 45.85 GB "
         "plus 33.80 GB remaining: an 80 GB card). Steps and guidance are sglang's Qwen-Image defaults "
         "(50 steps, guidance 4.0 with a negative prompt: two calls per step), so 15.45 s / 100 calls "
-        "per call, an upper bound (text encoding and VAE decode included). The resolution is "
+        "per call, an upper bound (text encoding and VAE decode included; both runs, with and "
+        "without layerwise offload, were started with `--text-encoder-cpu-offload --pin-cpu-memory`: "
+        "the text encoder's weights were kept in host memory, so its copies are in both times too). The resolution is "
         "not stated and sglang's default was not confirmed here: the time is used at 1328×1328 "
         "unscaled (if the run was smaller, the true time per call at 1328×1328 is longer, and "
         "streaming hides better than predicted here)"),
@@ -115,7 +118,11 @@ NOT_FOUND: dict[str, str] = {}   # models without a published time (none now): t
 # -- the tables (pure: plan units in, rows out) ------------------------------------------------
 
 def secs(s: float) -> str:
-    return f"{s:.3f} s" if s < 10 else f"{s:.1f} s"
+    """Seconds, halves rounded up, after the float noise of a sum is taken off (15.45 / 100 and
+    the sum of its per-unit shares both print 0.155 s)."""
+    q = decimal.Decimal(repr(round(s, 9))).quantize(decimal.Decimal("0.001" if s < 10 else "0.1"),
+                                                    rounding=decimal.ROUND_HALF_UP)
+    return f"{q} s"
 
 
 def gib(n: int) -> str:
@@ -273,6 +280,7 @@ bytes resident) and "by time" (`residency.by_time`: the residency with the short
 call), and each plan's steady call is predicted with prefetch (`timeline.predict`: a streamed
 segment waits for the part of its copy that the compute before it did not hide). Cells: predicted
 seconds per call (× the resident time). "refused (needs X)": the smallest budget that plans.
+Links: {links} of host-to-device copy (assumed rates of pinned copies, not measured).
 Predictions are the model's: the copy engines' contention with compute, allocator effects and
 kernel-launch gaps are not in it.
 """
@@ -295,7 +303,8 @@ them at each drive's rate.
 def document(time_part: list[str], notes: list[str], place_part: list[str], host: str,
              tier_part: list[str] = ()) -> str:
     cols = " | ".join(f"{link}: {kind} (predicted)" for link, _ in LINKS for kind in ("as many as fit", "by time"))
-    out = [HEADER.format(host=host),
+    links = " and ".join(f"{link} at {bps / 1e9:g} GB/s" for link, bps in LINKS)
+    out = [HEADER.format(host=host, links=links),
            f"| model | budget | resident (predicted) | {cols} |", "|---|---|---|" + "---|" * (2 * len(LINKS)),
            *time_part, "", "Resident times per call, and where they come from:", "", *notes, "",
            "## Two GPUs against one",

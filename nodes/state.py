@@ -237,7 +237,8 @@ class PatchState:
         merge = DeviceMerge.for_call(patcher, engine.module)
         if self.previewing:
             with _host_quiet(merge):
-                plan = engine.preview_as(signature(args, kwargs) if sig is None else sig, fn, *args, **kwargs)
+                plan = engine.preview_as(signature(args, kwargs) if sig is None else sig, fn, *args,
+                                         on_loaded=merge, **kwargs)
             raise Previewed(engine, plan)
         if self.settings.refits and not engine.running:
             self.refit(engine)

@@ -40,3 +40,17 @@ def pytest_report_header(config):
     except OSError:
         pass
     return f"ComfyUI host: {version} at {path}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason in ``-ra``'s summary, not one per test: a run without ComfyUI skips
+    every host test for the same reason. pytest folds skips by place and reason; each reason's
+    place here is the folder (or file) its tests share. Runs before pytest prints the summary."""
+    groups = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        if isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3:
+            groups.setdefault(rep.longrepr[2], []).append(rep)
+    for reason, reps in groups.items():
+        where = os.path.commonpath([os.path.abspath(str(r.longrepr[0])) for r in reps])
+        for r in reps:
+            r.longrepr = (where, None, reason)

@@ -218,25 +218,29 @@ class Engine:
         if s.measure_again(why):
             log.warning("VRAMCut: %s; the next forward measures again and plans once more", why)
 
-    def _trace(self, s: Shape, fn: Callable, args: tuple, kwargs: dict, keep_failure: bool = True) -> TraceResult:
-        """The dry run's profile of shape ``s``, kept (a failure only with ``keep_failure``)."""
+    def _trace(self, s: Shape, fn: Callable, args: tuple, kwargs: dict, keep_failure: bool = True,
+               on_loaded: Callable | None = None) -> TraceResult:
+        """The dry run's profile of shape ``s``, kept (a failure only with ``keep_failure``). The
+        call's ``on_loaded`` hook (the executor's, in a run) runs in it, on the fakes."""
         if s.trace is not None:
             return s.trace
         for ex in self.executors:
             ex.restore_weights()  # the dry run swaps the registries the held copies use
-        tr = trace_units(self.module, self.unitset.units, fn, args, kwargs)
+        tr = trace_units(self.module, self.unitset.units, fn, args, kwargs,
+                         on_loaded=on_loaded or self.executor.on_loaded)
         if tr.measurements is not None or keep_failure:
             s.traced(tr)
         return tr
 
-    def preview_as(self, sig: tuple, fn: Callable, *args, **kwargs) -> Plan:
+    def preview_as(self, sig: tuple, fn: Callable, *args, on_loaded: Callable | None = None, **kwargs) -> Plan:
         """The plan the first forward of ``fn(*args, **kwargs)`` (input signature ``sig``) would
         run, from the dry run alone: no weight copied, no real forward. A budget too small is a
         ``BudgetError``, a forward the dry run cannot run a ``TraceUnavailable``; neither is
-        remembered. Only the traced profile stays, kept as the first forward would keep it."""
+        remembered. Only the traced profile stays, kept as the first forward would keep it
+        (``on_loaded``: the hook the run will call, as ``run`` takes it)."""
         self.revalidate()
         s = self.shapes.get(sig) or Shape(sig, self.planner.top)
-        tr = self._trace(s, fn, args, kwargs, keep_failure=False)
+        tr = self._trace(s, fn, args, kwargs, keep_failure=False, on_loaded=on_loaded)
         if tr.measurements is None:
             raise TraceUnavailable(tr.reason or "the dry run gave no figures")
         self.shapes.setdefault(sig, s)

@@ -1,8 +1,9 @@
 """The budget known before the first forward, through the Max VRAM node on the host: a budget too
 small for the shape is refused at once (no forward runs, nothing is copied) with the smallest
-max_vram_gb that works, and that number works the first time, with the unpatched output. Cases:
-an SD-architecture VAE decoding 512x512, the tiny SD3 model through ComfyUI's UNETLoader
-(fp8-scaled) and ComfyUI-GGUF's UnetLoaderGGUF, CLIP-L and T5 text encoders. Where the dry run
+max_vram_gb that works, 0.001 less is refused with the same number, and that number works the
+first time, with the unpatched output. Cases: an SD-architecture VAE decoding 512x512, the tiny
+SD3 model through ComfyUI's UNETLoader (fp8-scaled; nvfp4 with a LoRA applied before or after
+the node) and ComfyUI-GGUF's UnetLoaderGGUF, CLIP-L and T5 text encoders. Where the dry run
 cannot run, the message gives a lower bound and says "at least"."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from host_cases import quantized_cases
 
 GIB = 1 << 30
 TOO_SMALL_GB = 2 / 1024  # 2 MiB: below every case here
@@ -52,9 +54,10 @@ def engines(pack, obj):
 
 def follow_the_number(pack, max_vram, forwards, run, slot, model, ref):
     """Refuse at TOO_SMALL_GB (no forward, no copy, under a second), take the number from the
-    message, run at it: success, the unpatched output. Where the weights alone do not fit, the node
-    says so when applied (before any input is known: a lower bound, "at least"); that number is
-    then the one refused for the input shape. Returns (number, refusal CPU seconds, trace, measured)."""
+    message, refuse 0.001 less (naming the number again), run at it: success, the unpatched
+    output. Where the weights alone do not fit, the node says so when applied (before any input
+    is known: a lower bound, "at least"); that number is then the one refused for the input shape.
+    Returns (number, refusal CPU seconds, trace, measured)."""
     try:
         outs, _ = max_vram(TOO_SMALL_GB, **{slot: model})
     except ValueError as e:
@@ -77,6 +80,11 @@ def follow_the_number(pack, max_vram, forwards, run, slot, model, ref):
     assert eng.executor.device_bytes == 0 and eng.executor.peak_weight_bytes == 0, "nothing was copied"
     gb = float(m.group(1))
     assert gb > TOO_SMALL_GB
+    # the number is the smallest: 0.001 less is refused too, naming it again, before any forward
+    with pytest.raises(ValueError) as e:
+        less, _ = max_vram(round(gb - 0.001, 3), **{slot: model}, node_id="3")
+        run(less[("model", "clip", "vae").index(slot)])
+    assert not forwards and f"set max_vram_gb to {gb:.3f}." in str(e.value), str(e.value)
     outs, payload = max_vram(gb, **{slot: model}, node_id="2")
     out = run(outs[("model", "clip", "vae").index(slot)])
     assert forwards, "the number runs"
@@ -102,22 +110,6 @@ def follow_the_number(pack, max_vram, forwards, run, slot, model, ref):
     return gb, refusal_cpu, tr, meas
 
 
-def _quantized_helpers():
-    """The quantized checkpoints of test_quantized.py (fp8-scaled written for UNETLoader, .gguf
-    written for the real ComfyUI-GGUF pack), loaded by path: test modules are not a package."""
-    import importlib.util
-    import os
-    import sys
-
-    name = "vramcut_quantized_cases"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "test_quantized.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules[name] = mod
-    return sys.modules[name]
-
-
 def _assert_equal(a, b):
     if isinstance(a, (list, tuple)):
         for x, y in zip(a, b):
@@ -138,12 +130,36 @@ def test_sd_vae_decode_512_follows_the_number(comfy, pack, max_vram, forwards):
 
 @pytest.mark.parametrize("fmt", ["fp8_scaled", "gguf_Q8_0"])
 def test_tiny_sd3_through_the_quantized_loaders_follows_the_number(comfy, pack, max_vram, forwards, fmt, tmp_path):
-    model = _quantized_helpers().load_format(fmt, tmp_path)
+    model = quantized_cases().load_format(fmt, tmp_path)
     pos, neg = tm.tiny_sd3_conditioning()
     latent = (1, 16, 16, 16)
     ref = tm.sample(model, pos, neg, latent, steps=1)
     follow_the_number(pack, max_vram, forwards, lambda m: tm.sample(m, pos, neg, latent, steps=1), "model",
                       model, ref)
+
+
+@pytest.mark.parametrize("order", ["lora_then_vramcut", "vramcut_then_lora"])
+def test_nvfp4_with_a_lora_follows_the_number(comfy, pack, max_vram, forwards, order, tmp_path):
+    """nvfp4 weights (the host's own comfy-kitchen layout class) with a LoRA applied before or
+    after the node: each unit's copy is dequantised, patched and quantised again as it arrives
+    (the host's own merge), temporaries many times the stored bytes. The dry run runs that merge
+    on its fakes, so the number counts them; the output is the host's with the same LoRA."""
+    import comfy.sd
+
+    q = quantized_cases()
+    model = q.load_format("nvfp4", tmp_path)
+    lora = tm.tiny_lora_for(tm.tiny_sd3_state_dict(depth=q.DEPTH, seed=0), seed=3)
+    with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+    pos, neg = tm.tiny_sd3_conditioning()
+    latent = (1, 16, 8, 8)
+    ref = tm.sample(with_lora, pos, neg, latent, steps=1)
+    assert not torch.equal(ref, tm.sample(model, pos, neg, latent, steps=1)), "the LoRA must matter"
+    if order == "lora_then_vramcut":
+        follow_the_number(pack, max_vram, forwards, lambda m: tm.sample(m, pos, neg, latent, steps=1), "model",
+                          with_lora, ref)
+    else:
+        follow_the_number(pack, max_vram, forwards, lambda m: tm.sample(
+            comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0)[0], pos, neg, latent, steps=1), "model", model, ref)
 
 
 @pytest.mark.parametrize("loader", ["clip_l", "t5"])

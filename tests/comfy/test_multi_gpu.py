@@ -30,8 +30,9 @@ import pytest
 import torch
 
 import tiny_models as tm
+from host_cases import sampling, simulated_host
 from pack_nodes import run_node
-from sim_cuda import ROUND, simulated_cuda
+from sim_cuda import ROUND
 
 GIB = 1 << 30
 CALLS = 4
@@ -40,30 +41,8 @@ CALLS = 4
 @pytest.fixture(params=[2, 4], ids=["2gpu", "4gpu"])
 def simn(request, monkeypatch, pack):
     """``n`` simulated GPUs, the host's main device ``cuda:0`` (what a CUDA host answers)."""
-    import comfy.model_management as mm
-
-    # Fake tensors on cuda:N need no driver: where torch.cuda.is_available() says no, entering a
-    # FakeTensorMode makes CUDA's device guard a no-op (what torch's python indexing sets for a
-    # CUDA tensor, fake or not). This fixture makes is_available() say yes for the host, so that
-    # step is done here first; without it the first slice of a fake CUDA tensor calls the driver.
-    torch._C._ensureCUDADeviceGuardSet()
-    with simulated_cuda(monkeypatch, devices=request.param, runtimes=(pack.vramcut_core.runtime,)) as s:
-        monkeypatch.setattr(mm, "get_torch_device", lambda: torch.device("cuda", 0))
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)   # 0.3.x's soft_empty_cache calls it
-        # a CUDA host page-locks offloaded weights and leaves the pack room to (0.33+: its limit;
-        # the CPU switch of the test process sets it to 0)
-        from comfy.cli_args import args
-        monkeypatch.setattr(args, "disable_pinned_memory", False, raising=False)
-        if getattr(mm, "MAX_PINNED_MEMORY", None) is not None:
-            monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 8 << 30)
-            monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
-        monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev=None: {   # the host's free-memory reading
-            "active_bytes.all.current": s.alloc_of(dev).allocated,
-            "reserved_bytes.all.current": s.alloc_of(dev).reserved})
+    with simulated_host(monkeypatch, pack, devices=request.param) as s:
         yield s
-        gc.collect()   # masters page-locked in this simulator are let go inside it
-    assert not s.hazards, "hazards:\n" + "\n".join(s.hazards[:10])
 
 
 # ------------------------------------------------------------------------------ the families
@@ -145,25 +124,6 @@ def call(base, clone, inputs):
     patch that writes into ``transformer_options`` during the forward."""
     x, sigma, conds = inputs
     return apply(base, x, sigma, conds, wrappers=clone.wrappers)
-
-
-def sampling(clone, steps: Callable):
-    """A sampling run as the host runs one around its steps: OUTER_SAMPLE, ON_PRE_RUN .. ON_CLEANUP."""
-    import types
-
-    import comfy.patcher_extension as pe
-
-    def run():
-        clone.pre_run()
-        clone.model.current_patcher = clone
-        try:
-            return steps()
-        finally:
-            clone.cleanup()
-
-    outer = pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, {"transformer_options": {"wrappers": clone.wrappers}},
-                                is_model_options=True)
-    return pe.WrapperExecutor.new_class_executor(run, types.SimpleNamespace(model_patcher=clone), outer).execute()
 
 
 class WeightPlaces:

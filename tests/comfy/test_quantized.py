@@ -8,12 +8,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import pytest
 import torch
 
 import tiny_models as tm
+from host_cases import forward_peaks  # noqa: F401 (a fixture)
 GIB = 1 << 30
 
 
@@ -312,13 +314,27 @@ def test_quantized_model_samples_bit_exact_with_stored_bytes_in_budget(quantized
 
 
 LORA_ROOM = 2 << 20
+SMALLEST = re.compile(r"set max_vram_gb to (?:at least )?([0-9]+\.[0-9]+)")
 
 
-# nvfp4 with a LoRA is not here: on CPU its dequantised, patched layers need activations the
-# tiny model's streaming budgets do not hold (the measuring forward is refused); not yet tested.
+def lora_budget(max_vram, model, run, node_id="probe"):
+    """``budget_for(model)`` with room for the activations of a layer whose weights are
+    dequantised and patched on the fly, or, where that is refused, the budget the pack names in
+    the refusal (nvfp4: its dequantised, patched layers are many times their stored bytes)."""
+    gb = budget_for(model) + LORA_ROOM / GIB
+    (probe, _, _), _ = max_vram(gb, model=model, node_id=node_id)
+    try:
+        run(probe)
+    except ValueError as e:
+        m = SMALLEST.search(str(e))
+        assert m and float(m.group(1)) > gb, str(e)
+        return float(m.group(1))
+    return gb
+
+
 @pytest.mark.parametrize("order", ["lora_then_vramcut", "vramcut_then_lora"])
-@pytest.mark.parametrize("quantized", [f for f in FORMATS if f != "nvfp4"], indirect=True)
-def test_quantized_lora_before_or_after_the_node(quantized, order, max_vram):
+@pytest.mark.parametrize("quantized", FORMATS, indirect=True)
+def test_quantized_lora_before_or_after_the_node(quantized, order, max_vram, forward_peaks):
     import comfy.sd
 
     fmt, model, pos, neg = quantized
@@ -327,18 +343,22 @@ def test_quantized_lora_before_or_after_the_node(quantized, order, max_vram):
     ref = _ksample(with_lora, pos, neg)
     plain = _ksample(model, pos, neg)
     assert not torch.equal(ref, plain), "the LoRA must matter"
-    # room for the activations of a layer whose weights are dequantised and patched on the fly
-    # (the dry run cannot trace every format with a LoRA: the measuring forward then needs it)
-    gb = budget_for(model) + LORA_ROOM / GIB
     if order == "lora_then_vramcut":
+        gb = lora_budget(max_vram, with_lora, lambda p: _ksample(p, pos, neg))
         (patched, _, _), payload = max_vram(gb, model=with_lora)
     else:
+        gb = lora_budget(max_vram, model, lambda p: _ksample(comfy.sd.load_lora_for_models(p, None, lora, 1.0, 0)[0],
+                                                              pos, neg))
         (p0, _, _), payload = max_vram(gb, model=model)
         patched, _ = comfy.sd.load_lora_for_models(p0, None, lora, 1.0, 0)
         assert type(patched) is type(p0), "clones keep the VRAMCut patcher (and the loader's own)"
+    del forward_peaks[:]
     assert torch.equal(_ksample(patched, pos, neg), ref), fmt
+    assert len(forward_peaks) >= 2, forward_peaks   # one per step (CFG batched), each metered
+    assert all(0 < peak <= budget for peak, budget in forward_peaks), f"{fmt}: {forward_peaks}"
     assert torch.equal(_ksample(model, pos, neg), plain), "the plain model must stay plain"
     assert payload["models"][0]["plan"]["streamed_bytes_per_forward"] > 0, "the budget must stream"
+    print(f"\n{fmt} {order}: budget {gb} GiB, peaks {forward_peaks}")
 
 
 @pytest.mark.parametrize("order", ["no_lora", "lora_then_vramcut", "vramcut_then_lora"])

@@ -141,13 +141,31 @@ def test_plan_cli_budget_too_small_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_demo_json_small_model():
-    from vramcut_core.cli.demo import run_demo
+    from vramcut_core.cli.demo import format_demo, run_demo
 
     r = run_demo(device="cpu", d=128, depth=6, heads=4, vocab=512, tokens=32)
     assert r["parity_max_abs_diff"] == 0
     assert r["peak_device_bytes"] <= r["budget_bytes"] < r["model_weight_bytes"]
     assert r["bytes_streamed"] > 0
-    assert r["time_plain_s"] > 0 and r["time_segmented_s"] > 0
+    assert r["time_plain_s"] > 0 and r["time_resident_s"] > 0 and r["time_segmented_s"] > 0
+    text = format_demo(r)
+    assert "forward" not in text and "ms / call" in text  # the node's word
+    # the segmented time, taken apart: all resident + waiting for copies + the rest
+    assert "= all resident" in text and "waiting for copies" in text
+
+
+def test_the_demo_model_is_a_registry_family_and_a_look_alike_is_not():
+    from vramcut_core import find_units
+    from vramcut_core.cli.demo import DemoTransformer, build
+
+    us = find_units(build(d=64, depth=4, heads=4, vocab=128))
+    assert (us.family, us.warnings) == ("demo", [])
+
+    class LookAlike(DemoTransformer):  # the same layout under another class: the fallback, warned
+        pass
+
+    other = find_units(LookAlike(d=64, depth=4, heads=4, vocab=128))
+    assert other.family == "generic" and any("generic fallback" in w for w in other.warnings)
 
 
 @pytest.mark.skipif(os.environ.get("VRAMCUT_SKIP_SLOW") == "1", reason="VRAMCUT_SKIP_SLOW=1")

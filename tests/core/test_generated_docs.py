@@ -4,9 +4,13 @@ script (bench/plan_table.py, bench/bench_switch.py) writes now, stamped (bench/d
 import os
 import re
 import sys
-import tomllib
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the test extra)
+    import tomli as tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -35,7 +39,22 @@ def test_readme_test_command_is_the_one_ci_runs():
     assert f"```\n{command[0]}\n```" in read("README.md")
 
 
-@pytest.mark.parametrize("page", ["full_size.md", "planner.md", "measurements.md", "predicted.md"])
+def test_readme_demo_figures_are_the_demos():
+    """The README's and planner.md's demo sentences (model size, budget share) say what
+    vramcut_core/cli/demo.py builds."""
+    import torch
+
+    from vramcut_core.cli import demo
+    with torch.device("meta"):
+        model = demo.DemoTransformer()
+    mib = sum(p.numel() * p.element_size() for p in model.parameters()) / (1 << 20)
+    share = f"{demo.DEMO_BUDGET_SHARE * 100:.0f} % of its size"
+    readme, planner = (" ".join(read(*p).split()) for p in (("README.md",), ("docs", "planner.md")))
+    assert f"builds a seeded {mib:.0f} MiB model" in readme and f"a budget of {share}" in readme
+    assert f"builds a seeded {mib:.0f} MiB transformer" in planner and f"segmented at {share}" in planner
+
+
+@pytest.mark.parametrize("page", ["coverage.md", "full_size.md", "planner.md", "measurements.md", "predicted.md"])
 def test_generated_pages_carry_the_stamp(page):
     stamps = [line for line in read("docs", page).splitlines() if line.startswith(docgen.STAMP)]
     assert stamps, f"docs/{page} has no stamp"

@@ -29,7 +29,7 @@ def _blocks(n_blocks=4, d=256):
 
 
 def write_gguf(path, sd, qtype="Q8_0"):
-    gguf = pytest.importorskip("gguf", reason="the gguf package (PyPI) writes the test files")
+    gguf = pytest.importorskip("gguf", reason="the gguf package (PyPI, in the test extra) writes the test files")
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     block, size = gguf.GGML_QUANT_SIZES[qt]
     w = gguf.GGUFWriter(str(path), arch="sd3")

@@ -12,8 +12,8 @@ import gc
 import pytest
 import torch
 
-pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (PyPI) is not installed in this environment: "
-                    "its QuantizedTensor weights are tested where it is (the ComfyUI 0.33 environment)")
+pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (PyPI, in the test extra: pip install -e '.[test]') "
+                    "is not installed in this environment")
 
 import kitchen_toys as kt  # noqa: E402
 from test_sim_cuda import budget_for, cuda_engine, fresh_peak, sim  # noqa: E402,F401

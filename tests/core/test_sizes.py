@@ -10,8 +10,8 @@ import warnings
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = ("vramcut_core", "nodes", "web", "bench")
 FILE_LINES, CLASS_LINES = 500, 300
-OVER = {"vramcut_core/engine.py", "vramcut_core/engine.py:Engine", "nodes/state.py", "web/plan/draw.js",
-        "web/plan/view.js", "web/plan/view.js:PlanView", "vramcut_core/runtime/executor.py:SegmentedExecutor"}
+OVER = {"vramcut_core/engine.py", "vramcut_core/engine.py:Engine", "vramcut_core/runtime/executor.py:SegmentedExecutor",
+        "vramcut_core/runtime/transfers.py:Transfers"}
 
 
 def sources():

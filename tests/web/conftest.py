@@ -42,13 +42,6 @@ SERVER_START_TIMEOUT_S = 180
 SERVER_STOP_TIMEOUT_S = 15
 
 
-def _comfyui_path() -> str | None:
-    """``$COMFYUI_PATH`` when set, else ``~/comfy/ComfyUI``; None when that holds no ComfyUI."""
-    import tiny_models  # one rule for every test
-
-    return tiny_models.comfyui_path()
-
-
 def _first_executable(*candidates: str | None) -> str | None:
     for c in candidates:
         if not c:
@@ -142,15 +135,11 @@ class ComfyServer:
 
 @pytest.fixture(scope="session")
 def comfyui_path() -> str:
-    p = _comfyui_path()
-    if p is None:
-        pytest.skip("ComfyUI not found: set COMFYUI_PATH to a ComfyUI checkout (or put one at ~/comfy/ComfyUI)")
     import tiny_models
-    try:
-        tiny_models.import_comfy()  # its requirements must be installed here, as the server needs them
+    try:  # its requirements must be installed here, as the server needs them; one skip reason for all
+        return tiny_models.import_comfy()
     except tiny_models.ComfyUINotFound as e:
         pytest.skip(str(e))
-    return p
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,9 @@ class UnitMeasurement:
     # floating-point operations from its entry until the next unit's, all passes together; None
     # where nothing counted them (only the dry run does, see ``trace``)
     flops: int | None = None
+    # the dry run, where the host merges weight patches into a unit's copy at its entry: the most
+    # live bytes a part of the unit cut finer may need (see ``trace``); None: the unit's own peak
+    part_peak_bytes: int | None = None
 
     @property
     def activation_bytes(self) -> int:
@@ -110,7 +113,8 @@ def joint_measurements(runs: list[dict[str, UnitMeasurement]]) -> dict[str, Unit
         return None
     return {n: UnitMeasurement(max(r[n].entry_bytes for r in runs), max(r[n].peak_bytes for r in runs),
                                max(r[n].calls for r in runs), frozenset().union(*(r[n].modules for r in runs)),
-                               _most(r[n].flops for r in runs))
+                               _most(r[n].flops for r in runs),
+                               max((r[n].part_peak_bytes for r in runs if r[n].part_peak_bytes is not None), default=None))
             for n in order}
 
 

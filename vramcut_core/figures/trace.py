@@ -17,6 +17,12 @@ entry, all passes together (what ran before the first unit goes to the first uni
 counts add up to the forward's. ``timeline.unit_seconds`` turns them into seconds with the
 throughput ``bandwidth.matmul_throughput`` measured on this machine.
 
+A host that merges weight patches (a LoRA) into each unit's device copy as it arrives passes
+its hook (``on_loaded``, as the executor takes it): it runs on the fakes at the unit's first
+entry, where the executor runs it, so what it allocates (a dequantised weight, the patch's delta,
+the patched copy before it is quantised again) counts as that unit's activations, and the number
+a refusal names holds them. A hook that cannot run on fakes fails the dry run like any operator.
+
 The one rule: the user's model is never changed. Fake weights are set into the registries the
 units record and the originals put back in ``finally``; attributes and registrations the fake
 forward adds or replaces are undone too. A forward that cannot run on fakes (a data-dependent
@@ -69,7 +75,8 @@ class TraceResult:
 
 
 def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tuple = (),
-                kwargs: dict | None = None, device: torch.device | str | None = None) -> TraceResult:
+                kwargs: dict | None = None, device: torch.device | str | None = None,
+                on_loaded: Callable | None = None) -> TraceResult:
     """Dry-run ``fn(*args, **kwargs)`` on fake tensors; see the module docstring.
 
     ``device`` is where the forward computes (the unit weights are faked there); by default the
@@ -91,7 +98,7 @@ def trace_units(module: nn.Module, units: Sequence[Unit], fn: Callable, args: tu
         _fake_weights(mode, ((u, dev) for u in units), swapped)
         _keep_fakes_in_place(module)
         flops = _flop_counter()
-        tracker = _UnitTracker(dev, flops)
+        tracker = _UnitTracker(dev, flops, on_loaded, {u.name: u for u in units})
         flat, _ = tree_flatten((fake_args, fake_kwargs))
         inputs = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type == dev.type]
         if inputs:
@@ -248,8 +255,12 @@ class _UnitTracker(_tracker_base()):
     ``_update_peak_stats`` is MemTracker's per-operator callback; it is replaced whole because its
     per-module local peaks (a walk over every module at every operator) are not used here."""
 
-    def __init__(self, dev: torch.device, flops=None) -> None:
+    def __init__(self, dev: torch.device, flops=None, on_loaded=None, units=None) -> None:
         super().__init__()
+        self._on_loaded, self._units = on_loaded, units  # the host's hook on a fresh device copy
+        self._merge_bytes: dict[str, int] = {}  # unit -> the most its hook held at once
+        self._merge_peak = 0     # the running unit's peak while its hook ran
+        self._kept = 0           # bytes the hook left alive: not activations (see ``_merge``)
         self._dev_type = dev.type
         self._flops = flops      # a FlopCounterMode: its total is read at each unit switch
         self._flops_seen = 0     # the total already given to a unit
@@ -269,7 +280,7 @@ class _UnitTracker(_tracker_base()):
         for d, snap in self._curr_mem_snap.items():
             if d.type == self._dev_type:
                 n += sum(v for k, v in snap.items() if k not in (_MemRefType.PARAM, _MemRefType.BUFFER, "Total"))
-        return n
+        return n - self._kept
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 (MemTracker's signature)
         live = self._live()
@@ -285,9 +296,28 @@ class _UnitTracker(_tracker_base()):
             return
         self._leave()
         self._unit_peak = live = self._live()
+        first = name not in rec.meas
         rec.enter(name, live)
         if self._flops is not None and rec.meas[name].flops is None:
             rec.meas[name].flops = 0
+        if first and self._on_loaded is not None:
+            self._merge(name, live)
+
+    def _merge(self, name: str, live: int) -> None:
+        """The host's hook on a fresh device copy of unit ``name`` (a LoRA merged into it), on the
+        fakes, where the executor calls it: at the unit's entry, so its temporaries (a dequantised
+        weight, the patch's delta, the patched copy) are this unit's activations. A part of a finer
+        cut merges its own weights at its own entry, later in the unit, beside what the unit has
+        computed by then: ``part_peak_bytes`` is the unit's peak without the merge plus the most
+        the merge held at once."""
+        self._on_loaded(self._units[name])
+        self._merge_bytes[name] = self._unit_peak - live
+        self._merge_peak = self._unit_peak
+        # What the hook leaves alive is the host's, not the forward's: the patch's own tensors,
+        # which the fake mode fakes on first use and keeps (a real merge writes into the copy and
+        # leaves nothing on the device).
+        self._kept += max(0, self._live() - live)
+        self._unit_peak = self._live()
 
     def _leave(self) -> None:
         rec = self.recorder
@@ -295,7 +325,12 @@ class _UnitTracker(_tracker_base()):
             total = self._flops.get_total_flops()                 # (before the first: too)
             rec.meas[rec.current].flops += total - self._flops_seen
             self._flops_seen = total
-        rec.leave(self._unit_peak)
+        merged = self._merge_bytes.get(rec.current, 0) if rec.current is not None else 0
+        if merged:
+            m = rec.meas[rec.current]
+            m.part_peak_bytes = max(m.part_peak_bytes or 0, self._unit_peak + merged)
+        rec.leave(max(self._unit_peak, self._merge_peak))
+        self._merge_peak = 0
 
     def finish(self, units: Sequence[Unit]) -> dict[str, UnitMeasurement]:
         self._leave()

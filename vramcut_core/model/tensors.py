@@ -5,6 +5,7 @@ Every byte figure the planner uses comes from here, so weights are counted one w
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import quant
 
@@ -23,8 +24,12 @@ def align_up(n: int, align: int = ALIGN) -> int:
 def is_plain_tensor(t: torch.Tensor) -> bool:
     """True for ordinary dense tensors (Parameter included); False for tensor subclasses
     (quantized weights and the like), which the executor takes apart (``quant``) or, failing
-    that, moves one by one with `.to()`."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+    that, moves one by one with `.to()`. A dry run's fake of a plain tensor is plain too (a
+    weight patch merged into a unit's copy in the dry run sees the fakes)."""
+    return type(t) in _PLAIN and t.layout == torch.strided
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:

@@ -42,6 +42,7 @@ class Family:
     blocks: tuple[str, ...]
     nested: bool = False
     requires: tuple[str, ...] = ()  # other submodules that must exist (tells apart look-alikes)
+    classes: tuple[str, ...] = ()   # the root's class, its dotted name's end, is one of these (none: any)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -65,6 +66,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("wan", "Wan", ("blocks.*", "?vace_blocks.*"), requires=("patch_embedding",)),
     Family("qwen_image", "Qwen-Image", ("transformer_blocks.*",), requires=("img_in", "txt_in")),
     Family("esrgan", "ESRGAN", ("model.1.sub.*",)),
+    # The command line's own demo model (``python -m vramcut_core demo``), by class: its layout
+    # (embed, blocks, norm, head) is too common to tell apart by names.
+    Family("demo", "demo transformer", ("blocks.*",), classes=("vramcut_core.cli.demo.DemoTransformer",)),
     # Searched anywhere in the tree, so a multi-encoder CLIP (SD3: CLIP-L + CLIP-G + T5) gets
     # the layers of each encoder.
     Family("text_encoder", "text encoder", (
@@ -207,6 +211,9 @@ def _match_root_family(root: nn.Module, families: tuple[Family, ...]
                        ) -> tuple[Family, list[tuple[str, nn.Module]]] | None:
     for fam in families:
         if fam.nested or any(_resolve(root, r) is None for r in fam.requires):
+            continue
+        cls = f"{type(root).__module__}.{type(root).__qualname__}"
+        if fam.classes and not any(cls == c or cls.endswith("." + c) for c in fam.classes):
             continue
         blocks: list[tuple[str, nn.Module]] = []
         ok = True

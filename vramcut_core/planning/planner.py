@@ -108,10 +108,12 @@ class UnitPlanner:
         for p in parts:
             if meas is None or parent is None:
                 continue
-            # A part needs at most what the whole unit needed, and it ran only if one of its
-            # modules did (a VAE decode runs one convolution of a unit that holds the encoder).
+            # A part needs at most what the whole unit needed (with the host's merge at the part's
+            # own entry: ``part_peak_bytes``), and it ran only if one of its modules did (a VAE
+            # decode runs one convolution of a unit that holds the encoder).
             if p.keep_resident or not parent.modules or any(id(m) in parent.modules for m in _subtree(p)):
-                meas[p.name] = parent
+                meas[p.name] = parent if parent.part_peak_bytes is None else dataclasses.replace(
+                    parent, peak_bytes=max(parent.peak_bytes, parent.part_peak_bytes))
         return [self.plan_unit(p, meas, seconds=seconds) for p in parts]
 
     def plan_unit(self, u: Unit, meas: dict[str, UnitMeasurement] | None, keep_resident: bool = False,
