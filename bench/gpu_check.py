@@ -245,7 +245,8 @@ def report(dry: bool, quick: bool) -> dict:
             "dry": True, "device": None, "torch": torch.__version__,
             "register": {k: NOT for k in ("registered", "register_s_per_gb", "unregister_s_per_gb",
                                           "failed_register_leaves_pending_error", "executor_clears_it")},
-            "bandwidth": {"pinned_h2d_gbps": NOT, "engine_h2d_bytes_per_s": NOT, "engine_h2d_source": NOT},
+            "bandwidth": {"pinned_h2d_gbps": NOT, "engine_h2d_bytes_per_s": NOT, "engine_copy_latency_s": NOT,
+                          "engine_h2d_source": NOT},
             "sanitizer": {a: {n: NOT for n in names} for a in ALLOCATORS},
             "forwards": {n: dict(forward) for n in names},
             "sessions": {"sessions": NOT, "page_locked_after_drop_bytes": NOT},
@@ -261,7 +262,7 @@ def report(dry: bool, quick: bool) -> dict:
     res["register"] = check_register(dev)
     bw = pinned_bandwidth(dev)
     res["bandwidth"] = {"pinned_h2d_gbps": bw, "engine_h2d_bytes_per_s": engine_bw["bytes_per_s"],
-                        "engine_h2d_source": engine_bw["source"]}
+                        "engine_copy_latency_s": engine_bw.get("latency_s"), "engine_h2d_source": engine_bw["source"]}
     res["forwards"] = {}
     for n, m, a in models(quick):
         res["forwards"][n] = r = run_forwards(n, m, a, dev, bw)

@@ -101,7 +101,7 @@ class NodeReport:
         plan is a preview's, traced at that shape (stage "traced", the label the node draws)."""
         d = engine.describe(plan)
         # the answer line's cost: measured after a run, estimated from this machine's bandwidth before
-        d["plan"]["cost"] = cost_to_json(d["plan"], host_to_device(engine.device))
+        d["plan"]["cost"] = cost_to_json(d["plan"], host_to_device(engine.device, max_bytes=engine.probe_room_bytes))
         _per_device_answer(d["plan"])
         sig = engine.last_signature if d["signature"] else None
         entry = {"kind": kind, "label": f"{kind} · {d['label']}", "stage": d["stage"],

@@ -27,7 +27,7 @@ What it checks, with the happens-before order of the streams (vector clocks, lik
   ``sim.device_calls`` with the device it resolved to, the current one.
 
 Durations (``sim.set_durations(copy_bytes_per_s=..., op_seconds=...)``): a virtual clock per
-stream. A copy from host memory takes its bytes over ``copy_bytes_per_s``, an operator
+stream. A copy from host memory takes ``copy_latency_s`` plus its bytes over ``copy_bytes_per_s``, an operator
 ``op_seconds(func, args, kwargs, out)`` seconds (``flop_seconds(flops_per_s)``: torch's FLOP count
 of the operator over a throughput); work on a stream starts when the stream's earlier work is done,
 after every event it waits for, and not before the host last saw the time (a synchronize, an event
@@ -408,6 +408,7 @@ class SimCuda:
         self.query_completes = False      # event.query() finishes the work (a fast GPU)
         self.timed = False                # durations on (``set_durations``): virtual clocks
         self.copy_bytes_per_s: float | None = None
+        self.copy_latency_s = 0.0
         self.op_seconds = None
         self.host_t = 0.0                 # the virtual time the host has last seen
         self.host_clock: dict[int, int] = {}
@@ -426,16 +427,19 @@ class SimCuda:
             self.allocs[d] = SimAllocator(self._reused)
         self.stack: list[SimStream] = [self.compute]
 
-    def set_durations(self, copy_bytes_per_s: float | None = None, op_seconds=None) -> None:
-        """Give copies from host memory and operators durations (see the module docstring)."""
+    def set_durations(self, copy_bytes_per_s: float | None = None, op_seconds=None,
+                      copy_latency_s: float = 0.0) -> None:
+        """Give copies from host memory and operators durations (see the module docstring);
+        ``copy_latency_s``: the fixed cost of each copy from host memory."""
         self.timed = True
         self.copy_bytes_per_s, self.op_seconds = copy_bytes_per_s, op_seconds
+        self.copy_latency_s = copy_latency_s
 
     def copy_seconds(self, src: torch.Tensor) -> float:
         rec = self.recs.get(src.untyped_storage().data_ptr())
         if not self.copy_bytes_per_s or rec is None or not rec.host:
             return 0.0
-        return src.numel() * src.element_size() / self.copy_bytes_per_s
+        return self.copy_latency_s + src.numel() * src.element_size() / self.copy_bytes_per_s
 
     # devices
 
@@ -951,6 +955,9 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         finally:
             sim.host_ctx -= 1
 
+    from vramcut_core.figures import bandwidth
+
+    monkeypatch.setattr(bandwidth, "_placement", _placement)  # the probes' device tensors
     cuda = torch.cuda
     for rt in (runtime, *runtimes):
         device_memory = importlib.import_module(rt.__name__ + ".device_memory")

@@ -38,6 +38,7 @@ class EngineConfig:
     speed: str = "auto"
     bandwidth_bytes_per_s: float | None = None  # host-to-device; None: the figure measured before, if any
     flops_per_s: float | None = None            # compute throughput; None: measured once (``bandwidth``)
+    copy_latency_s: float | None = None         # fixed seconds per copy; None: the bandwidth probe's fit (or 0)
     # per-device budgets in bytes, in the user's order (``placement.parse_devices``); empty: one
     # device, ``device``, under ``budget_bytes``. Non-empty: ``device`` is the home device (inputs
     # arrive and the output returns there) and one of them; ``budget_bytes`` is their sum
@@ -52,9 +53,10 @@ class EngineConfig:
             raise ValueError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}")
         if self.speed not in SPEEDS:
             raise ValueError(f"speed must be one of {', '.join(SPEEDS)}, got {self.speed!r}")
-        for f in ("bandwidth_bytes_per_s", "flops_per_s"):
+        for f in ("bandwidth_bytes_per_s", "flops_per_s", "copy_latency_s"):
             v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not (v >= 0 if f == "copy_latency_s" else v > 0)):
                 raise ValueError(f"{f} must be a positive number or None, got {v!r}")
         if self.devices:
             _check_devices(self)

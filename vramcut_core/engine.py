@@ -69,6 +69,7 @@ class Engine:
         self.on_plan = on_plan
         host = host or HostHooks()
         self.planner = UnitPlanner(module, config, lambda name: self.executor.unit_device_bytes(name))
+        self.planner.figures.room = lambda: self.probe_room_bytes  # probes run inside the budget
 
         def make(device):
             return SegmentedExecutor(self.planner.unit, device, pin_memory=config.pin_memory,
@@ -85,6 +86,7 @@ class Engine:
         self.group = self.side.group
         self.planner.block_bytes = self.executor.memory.block_bytes
         self.planner.host = self.executor.masters.tiers
+        self.planner.figures.room = lambda: self.probe_room_bytes  # probes run inside the budget
         self.shapes = Shapes(self.planner.top)
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None
@@ -340,6 +342,9 @@ class Engine:
     device = property(lambda self: self.executor.device)   # the home device: inputs and output
     held_bytes = property(lambda self: sum(self.side.held_bytes_by_device.values()))  # held now, all devices
     held_bytes_by_device = property(lambda self: self.side.held_bytes_by_device)
+    # device bytes a probe (``bandwidth``: a copy, a matrix product) may take now on the home device
+    probe_room_bytes = property(lambda self: max(0, dict(self.config.devices).get(
+        self.config.device, self.config.budget_bytes) - self.executor.device_bytes))
 
     @property
     def placement(self) -> Placement | None:

@@ -73,4 +73,4 @@ def link_figure(monkeypatch, pack):
     """The node's answer line estimates a cost from the link's bandwidth: a figure given here (as
     a cached one), not measured on this machine."""
     monkeypatch.setattr(pack.vramcut_core.figures.bandwidth, "host_to_device",
-                        lambda device: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})
+                        lambda device, max_bytes=None: {"bytes_per_s": 25e9, "device": str(device), "source": "cache"})

@@ -17,7 +17,8 @@ def _timed(sim, monkeypatch):
 
     sim.set_durations(copy_bytes_per_s=BPS, op_seconds=flop_seconds(FLOPS))
     monkeypatch.setattr(bandwidth, "cached_host_to_device", lambda device: BPS)
-    monkeypatch.setattr(bandwidth, "matmul_throughput", lambda device, dtype=None: {"flops_per_s": FLOPS})
+    monkeypatch.setattr(bandwidth, "matmul_throughput",
+                        lambda device, dtype=None, max_bytes=None: {"flops_per_s": FLOPS, "source": "cache"})
 
 
 def _values(d):

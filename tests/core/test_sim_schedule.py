@@ -26,11 +26,11 @@ def blocks_for(shape: str, heavy=()) -> list:
     return [tp.Block(B, HEAVY if i in heavy else 1) for i in range(len(shape.split()))]
 
 
-def measured_and_predicted(sim, shape, slots, heavy=(), session=True, bps=2e7, calls=4):
+def measured_and_predicted(sim, shape, slots, heavy=(), session=True, bps=2e7, calls=4, latency_s=0.0):
     case = tp.build(sim, blocks_for(shape, heavy))
     plan = tp.plan_of(case, shape, slots)
-    times = tp.run_calls(sim, case, plan, calls=calls, session=session, bps=bps)
-    return times, timeline.predict(plan, bps, session=session), plan
+    times = tp.run_calls(sim, case, plan, calls=calls, session=session, bps=bps, latency_s=latency_s)
+    return times, timeline.predict(plan, bps, session=session, latency_s=latency_s), plan
 
 
 def test_the_schedule_says_where_each_slot_frees_and_what_goes_there():
@@ -92,26 +92,25 @@ def test_the_prediction_is_the_simulated_call(sim, shape, slots, heavy, session)
         assert times[0] == pytest.approx(tl.first_s, rel=0.05)
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_fixed_cost_per_copy_is_charged_per_unit_copied(sim, slots):
+    """2 ms per copy (the bandwidth probe's fitted latency) on top of the bytes: 16 small blocks,
+    every other one resident; each copy of a streamed unit (one, from its flat master) pays it.
+    (The first call is not held to it: a resident unit has no flat master and is copied tensor
+    by tensor, a fixed cost each, which the plan's rows do not count.)"""
+    shape = " ".join("S" if i % 2 == 0 else "R" for i in range(16))
+    times, tl, plan = measured_and_predicted(sim, shape, slots, latency_s=2e-3, bps=1e9)
+    assert times[-1] == pytest.approx(tl.step_s, rel=0.01)
+    without = timeline.predict(plan, 1e9).step_s
+    assert tl.step_s > without + 5e-3, "the latency matters here"
+
+
 def test_the_prediction_is_the_simulated_call_for_random_plans(sim):
     """300 random plans: 4 to 8 blocks of random widths and passes, each streamed or resident,
     one or two slots, three link speeds, in a session or not: the steady call within 1 % of the
     simulator's, the first call of a session within 5 %."""
     rng = random.Random(38)
-    worst = worst_first = 0.0
     for _ in range(300):
-        n = rng.randint(4, 8)
-        blocks = [tp.Block(rng.choice([64, 128, 256, 512]), rng.choice([1, 1, 2, 6])) for _ in range(n)]
-        flags = [rng.choice("SR") for _ in range(n)]
-        flags[rng.randrange(n)] = "S"
-        shape, slots, session = " ".join(flags), rng.choice([1, 2]), rng.random() < 0.75
-        bps = rng.choice([5e6, 2e7, 1e8])
-        case = tp.build(sim, blocks)
-        plan = tp.plan_of(case, shape, slots)
-        times = tp.run_calls(sim, case, plan, calls=3, session=session, bps=bps)
-        tl = timeline.predict(plan, bps, session=session)
-        err = abs(tl.step_s - times[-1]) / times[-1]
-        assert err < 0.01, (shape, slots, session, bps, times, tl)
-        worst = max(worst, err)
-        if session:
-            worst_first = max(worst_first, abs(tl.first_s - times[0]) / times[0])
-            assert worst_first < 0.05, (shape, slots, bps, times, tl)
+        err, first, drawn = tp.random_errors(sim, rng)
+        assert err < 0.01, drawn
+        assert first is None or first < 0.05, drawn

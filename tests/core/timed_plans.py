@@ -93,7 +93,7 @@ def run_calls(sim, case: Case, plan, calls: int = 4, session: bool = True, bps: 
               latency_s: float = 0.0) -> list[float]:
     """Simulated seconds of each of ``calls`` forwards of ``plan`` (from one forward's end on the
     compute stream to the next one's), outputs checked bit-equal."""
-    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS))
+    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS), copy_latency_s=latency_s)
     ex = SegmentedExecutor(case.lookup, "cuda", module=case.model)
     out = []
     t = sim.compute.t
@@ -116,3 +116,23 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def random_errors(sim, rng) -> tuple[float, float | None, tuple]:
+    """One random plan (4 to 8 blocks of random widths and passes, each streamed or resident, one
+    or two slots, one of three link speeds, in a session or not) run and predicted: (|error| of
+    the steady call, |error| of a session's first call or None outside one, what was drawn)."""
+    from vramcut_core.planning import timeline
+
+    n = rng.randint(4, 8)
+    blocks = [Block(rng.choice([64, 128, 256, 512]), rng.choice([1, 1, 2, 6])) for _ in range(n)]
+    flags = [rng.choice("SR") for _ in range(n)]
+    flags[rng.randrange(n)] = "S"
+    shape, slots, session = " ".join(flags), rng.choice([1, 2]), rng.random() < 0.75
+    bps = rng.choice([5e6, 2e7, 1e8])
+    case = build(sim, blocks)
+    plan = plan_of(case, shape, slots)
+    times = run_calls(sim, case, plan, calls=3, session=session, bps=bps)
+    tl = timeline.predict(plan, bps, session=session)
+    first = abs(tl.first_s / times[0] - 1) if session else None
+    return abs(tl.step_s / times[-1] - 1), first, (shape, slots, session, bps, times, tl)

@@ -14,6 +14,15 @@ Beside it, ``matmul_throughput(device, dtype)`` measures floating-point operatio
 a square matrix product on the device in that dtype (on CPU, the CPU's), once per device and
 dtype: with the dry run's per-unit FLOP counts it gives each unit's compute time before any run.
 
+The bandwidth probe times a large copy and a small one (each the best of a few) and fits
+``seconds = latency + bytes / bandwidth`` through them: ``bytes_per_s`` and ``latency_s`` (the
+fixed cost of one copy) are cached together, and the timeline charges both.
+
+Probes run inside the engine's budget: ``max_bytes`` (what the budget leaves when the probe runs)
+sizes each probe's device buffers, counted as the caching allocator rounds them; a probe that
+cannot be sized to fit allocates nothing and answers "no room" (not remembered: a later call with
+room measures). A dtype no matrix product runs in (fp8) allocates nothing and has no figure.
+
 The cache file is ``$VRAMCUT_CACHE_DIR/bandwidth.json`` (default ``~/.cache/vramcut``); a cache
 that cannot be read or written only means measuring again. One rule: a figure in the cache was
 measured on this machine for this device name, never assumed.
@@ -33,8 +42,15 @@ from ..model.tensors import MIB
 CACHE_ENV = "VRAMCUT_CACHE_DIR"
 CACHE_FILE = "bandwidth.json"
 PROBE_BYTES = 64 * MIB     # large enough to reach the link's rate, small enough to be quick
+# Each probe buffer is at least torch's kMinLargeAlloc (10 MiB): a segment of its own, so what it
+# takes is known (a smaller request shares a 2 or 20 MiB segment with others)
+MIN_PROBE_BYTES = 10 * MIB
+LARGE_ROUND = 2 * MIB      # kRoundLarge
+SMALL_PROBE_BYTES = 64 * 1024  # the small copy of the fit: mostly the fixed cost of one copy
 PROBE_REPEATS = 3          # the best of these is kept: the first copy pays for warm-up
 MATMUL_N = {"cuda": 4096, "cpu": 512}  # side of the probe's square matrices (CPU: quick on one core)
+MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what the probe multiplies
+NO_ROOM = "no room"        # the source of a figure not measured because the budget left too little
 
 _lock = threading.Lock()
 _memo: dict[str, dict] = {}
@@ -77,14 +93,27 @@ def _write_cache(key: str, entry: dict) -> None:
         pass  # a read-only home only means measuring again next time
 
 
-def measure(device, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> float:
-    """Bytes per second of a host-to-``device`` copy of ``nbytes`` (best of ``repeats``)."""
+def _placement(device: torch.device) -> torch.device:
+    """Where the probes' device tensors are made: the device itself (a seam: the simulated
+    accelerator in the tests maps it to host memory)."""
+    return device
+
+
+def _pinned(n: int) -> torch.Tensor:
+    """``n`` bytes of page-locked host memory."""
+    return torch.empty(n, dtype=torch.uint8).pin_memory()
+
+
+def copy_seconds(device, nbytes: int, repeats: int = PROBE_REPEATS, bufs=None) -> float:
+    """Seconds of a host-to-``device`` copy of ``nbytes`` (best of ``repeats``): from page-locked
+    memory on CUDA, a plain memory copy on CPU. ``bufs``: (source, destination) of at least
+    ``nbytes`` to copy between (else made here)."""
     dev = torch.device(device)
     n = max(1, int(nbytes))
     best = float("inf")
     if dev.type == "cuda":
-        src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(n, dtype=torch.uint8, device=dev)
+        src, dst = bufs or (_pinned(n), torch.empty(n, dtype=torch.uint8, device=_placement(dev)))
+        src, dst = src[:n], dst[:n]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(repeats):
             start.record()
@@ -93,13 +122,52 @@ def measure(device, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> 
             end.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3)
     else:
-        src = torch.ones(n, dtype=torch.uint8)
-        dst = torch.empty(n, dtype=torch.uint8, device=dev)
+        src, dst = bufs or (torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8, device=dev))
+        src, dst = src[:n], dst[:n]
         for _ in range(repeats):
             t0 = time.perf_counter()
             dst.copy_(src)
             best = min(best, time.perf_counter() - t0)
-    return n / max(best, 1e-9)
+    return max(best, 1e-9)
+
+
+def measure(device, nbytes: int = PROBE_BYTES, repeats: int = PROBE_REPEATS) -> float:
+    """Bytes per second of a host-to-``device`` copy of ``nbytes`` (best of ``repeats``)."""
+    return max(1, int(nbytes)) / copy_seconds(device, nbytes, repeats)
+
+
+def fit_copy(device, nbytes: int = PROBE_BYTES, small: int = SMALL_PROBE_BYTES,
+             repeats: int = PROBE_REPEATS) -> tuple[float, float]:
+    """``(bytes_per_s, latency_s)`` through a copy of ``nbytes`` and one of ``small`` bytes (the
+    start of the same buffers: nothing more is allocated): ``seconds = latency + bytes / bandwidth``
+    (a latency below zero, timing noise, is taken as 0)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        bufs = (_pinned(nbytes), torch.empty(nbytes, dtype=torch.uint8, device=_placement(dev)))
+    else:
+        bufs = (torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8, device=dev))
+    big_s = copy_seconds(device, nbytes, repeats, bufs)
+    small = min(small, nbytes // 2)
+    small_s = copy_seconds(device, small, repeats, bufs)
+    per_byte = (big_s - small_s) / (nbytes - small) if big_s > small_s else big_s / nbytes
+    latency = max(0.0, small_s - small * per_byte)
+    return 1.0 / per_byte, latency
+
+
+def _device_bytes(nbytes: int) -> int:
+    """What a probe buffer of ``nbytes`` (10 MiB or more) takes in torch's CUDA caching allocator: a
+    segment of its own, rounded up to 2 MiB (kMinLargeAlloc, kRoundLarge)."""
+    return -(-nbytes // LARGE_ROUND) * LARGE_ROUND
+
+
+def probe_bytes(max_bytes: int | None, full: int = PROBE_BYTES) -> int:
+    """The bandwidth probe's copy size where ``max_bytes`` of device memory are free for it (the
+    allocator's rounding counted): the full probe where it fits, else the largest multiple of
+    2 MiB that fits; 0 when that is under ``MIN_PROBE_BYTES``."""
+    if max_bytes is None or _device_bytes(full) <= max_bytes:
+        return full
+    n = max_bytes - max_bytes % LARGE_ROUND
+    return n if n >= MIN_PROBE_BYTES else 0
 
 
 def _figure(key: str, field: str, about: dict, measure_now: Callable[[], float], probe: dict) -> dict:
@@ -125,11 +193,48 @@ def _figure(key: str, field: str, about: dict, measure_now: Callable[[], float],
         return dict(entry)
 
 
-def host_to_device(device) -> dict:
-    """``{"bytes_per_s", "device", "source"}`` for ``device``: from memory, the cache file, or
-    measured now (``source`` says which). ``bytes_per_s`` is None when it could not be measured."""
+def host_to_device(device, max_bytes: int | None = None) -> dict:
+    """``{"bytes_per_s", "latency_s", "device", "source"}`` for ``device``: from memory, the cache
+    file, or measured now (``source`` says which) with a probe sized to ``max_bytes`` of device
+    memory (``probe_bytes``). ``bytes_per_s`` is None when it could not be measured ("no room":
+    the budget left too little; asked again later, it measures)."""
     key = device_key(device)
-    return _figure(key, "bytes_per_s", {"device": key}, lambda: measure(device), {"probe_bytes": PROBE_BYTES})
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
+        cached = _read_cache().get(key)
+        if isinstance(cached, dict) and isinstance(cached.get("bytes_per_s"), (int, float)) \
+                and cached["bytes_per_s"] > 0:
+            lat = cached.get("latency_s")
+            entry = {"bytes_per_s": float(cached["bytes_per_s"]), "device": key, "source": "cache",
+                     "latency_s": float(lat) if isinstance(lat, (int, float)) and lat >= 0 else 0.0}
+        else:
+            n = probe_bytes(max_bytes) if torch.device(device).type == "cuda" else PROBE_BYTES
+            if not n:
+                return {"bytes_per_s": None, "latency_s": None, "device": key, "source": NO_ROOM}
+            try:
+                bps, lat = fit_copy(device, n)
+                entry = {"bytes_per_s": bps, "latency_s": lat, "device": key, "source": "measured"}
+                _write_cache(key, {"bytes_per_s": bps, "latency_s": lat, "probe_bytes": n,
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            except Exception:  # a device that went away: no estimate
+                entry = {"bytes_per_s": None, "latency_s": None, "device": key, "source": "unmeasurable"}
+        _memo[key] = entry
+        return dict(entry)
+
+
+def cached_latency(device) -> float:
+    """The fixed seconds of one host-to-``device`` copy measured with the bandwidth (0 where none
+    was: a cache written before the fit, or no figure)."""
+    try:
+        key = device_key(device)
+    except Exception:  # a device this build of torch cannot name
+        return 0.0
+    with _lock:
+        hit = _memo.get(key) or _read_cache().get(key)
+    lat = hit.get("latency_s") if isinstance(hit, dict) else None
+    return float(lat) if isinstance(lat, (int, float)) and lat > 0 else 0.0
 
 
 def cached_host_to_device(device) -> float | None:
@@ -149,15 +254,31 @@ def cached_host_to_device(device) -> float | None:
     return None
 
 
+def matmul_n(device, dtype, max_bytes: int | None) -> int:
+    """The side of the matmul probe's matrices on ``device`` in ``dtype`` where ``max_bytes`` of
+    device memory are free for its three (each as the allocator rounds it, each at least
+    ``MIN_PROBE_BYTES``); 0 where they do not fit."""
+    dev = torch.device(device)
+    n = MATMUL_N.get(dev.type, MATMUL_N["cpu"])
+    if max_bytes is None or dev.type != "cuda":
+        return n
+    size = torch.empty((), dtype=dtype).element_size()
+    while n * n * size >= MIN_PROBE_BYTES and 3 * _device_bytes(n * n * size) > max_bytes:
+        n -= 64
+    return n if n * n * size >= MIN_PROBE_BYTES and 3 * _device_bytes(n * n * size) <= max_bytes else 0
+
+
 def measure_matmul(device, dtype=torch.float32, n: int | None = None, repeats: int = PROBE_REPEATS) -> float:
     """Floating-point operations per second of an ``n`` x ``n`` matrix product on ``device`` in
     ``dtype`` (best of ``repeats``, after one warm-up product; 2 n^3 operations each)."""
     dev = torch.device(device)
+    if dtype not in MATMUL_DTYPES:  # before anything is allocated
+        raise TypeError(f"no matrix product runs in {dtype}")
     n = int(n or MATMUL_N.get(dev.type, MATMUL_N["cpu"]))
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=dev, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=dev, dtype=dtype)
-    out = torch.empty(n, n, device=dev, dtype=dtype)
+    place = _placement(dev)
+    a = torch.rand(n, n, device=place, dtype=dtype)  # made where they are used: three n x n, no more
+    b = torch.rand(n, n, device=place, dtype=dtype)
+    out = torch.empty(n, n, device=place, dtype=dtype)
     torch.mm(a, b, out=out)  # warm-up: kernel selection, first-touch pages
     best = float("inf")
     if dev.type == "cuda":
@@ -180,13 +301,37 @@ def matmul_key(device, dtype) -> str:
     return f"matmul:{device_key(device)}:{str(dtype).replace('torch.', '')}"
 
 
-def matmul_throughput(device, dtype=torch.float32) -> dict:
+def matmul_throughput(device, dtype=torch.float32, max_bytes: int | None = None) -> dict:
     """``{"flops_per_s", "device", "dtype", "source"}`` for a matrix product on ``device`` in
-    ``dtype``: from memory, the cache file, or measured now, as ``host_to_device``.
-    ``flops_per_s`` is None when it could not be measured."""
-    about = {"device": device_key(device), "dtype": str(dtype).replace("torch.", "")}
-    return _figure(matmul_key(device, dtype), "flops_per_s", about, lambda: measure_matmul(device, dtype),
-                   {"n": MATMUL_N.get(torch.device(device).type)})
+    ``dtype``: from memory, the cache file, or measured now, as ``host_to_device`` (its matrices
+    sized to ``max_bytes``, ``matmul_n``). ``flops_per_s`` is None when it could not be measured:
+    a dtype no product runs in (nothing allocated), or "no room" (not remembered)."""
+    key = matmul_key(device, dtype)
+    dt = str(dtype).replace("torch.", "")
+    if dtype not in MATMUL_DTYPES:
+        return {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": "unmeasurable"}
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            return dict(hit, source="memory" if hit["source"] != "unmeasurable" else hit["source"])
+        cached = _read_cache().get(key)
+        if isinstance(cached, dict) and isinstance(cached.get("flops_per_s"), (int, float)) \
+                and cached["flops_per_s"] > 0:
+            entry = {"flops_per_s": float(cached["flops_per_s"]), "device": device_key(device), "dtype": dt,
+                     "source": "cache"}
+        else:
+            n = matmul_n(device, dtype, max_bytes)
+            if not n:
+                return {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": NO_ROOM}
+            try:
+                fps = measure_matmul(device, dtype, n)
+                entry = {"flops_per_s": fps, "device": device_key(device), "dtype": dt, "source": "measured"}
+                _write_cache(key, {"flops_per_s": fps, "n": n,
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            except Exception:  # a dtype the device cannot multiply, no memory: no estimate
+                entry = {"flops_per_s": None, "device": device_key(device), "dtype": dt, "source": "unmeasurable"}
+        _memo[key] = entry
+        return dict(entry)
 
 
 def disk_key(path: str) -> str:

@@ -10,8 +10,11 @@ compute time and a bandwidth; without either the count-based plan is kept.
 
 * Bandwidth: ``EngineConfig.bandwidth_bytes_per_s``, else the figure ``bandwidth`` measured before
   for the device (``cached_host_to_device``: never measured here, never assumed).
+* Fixed cost per copy: ``EngineConfig.copy_latency_s``, else the bandwidth probe's fit (cached
+  beside the bandwidth) where the bandwidth is the probe's, else 0.
 * Throughput: ``EngineConfig.flops_per_s``, else ``bandwidth.matmul_throughput`` for the device and
-  the module's compute dtype (a probe, once per device and dtype, cached).
+  the module's compute dtype (a probe, once per device and dtype, cached), its matrices sized to
+  what the budget leaves when it runs (``Figures.room``: the engine's budget less what it holds).
 * Measured times: ``UnitTimes`` keeps, for one input signature, a unit clock
   (``runtime.measuring.UnitClock``) until its marks can be read without waiting, then the seconds
   per unit; they replace the dry run's estimate. On CUDA the clock is the measuring forward's; on
@@ -60,6 +63,8 @@ class Figures:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._flops: dict[tuple, float | None] = {}
+        # device bytes a probe may take now (the budget less what the engine holds); None: no limit
+        self.room: Callable[[], int | None] = lambda: None
 
     def flops_per_s(self, config) -> float | None:
         if config.flops_per_s:
@@ -67,9 +72,12 @@ class Figures:
         key = (config.device,)
         if key not in self._flops:
             try:
-                self._flops[key] = bandwidth.matmul_throughput(config.device, compute_dtype(self.module))["flops_per_s"]
+                got = bandwidth.matmul_throughput(config.device, compute_dtype(self.module), max_bytes=self.room())
             except Exception:  # a device this build of torch cannot name or use: no estimate
-                self._flops[key] = None
+                got = {"flops_per_s": None, "source": "unmeasurable"}
+            if got["source"] == bandwidth.NO_ROOM:
+                return None  # asked again when the budget leaves room
+            self._flops[key] = got["flops_per_s"]
         return self._flops[key]
 
     @staticmethod
@@ -77,6 +85,15 @@ class Figures:
         if config.bandwidth_bytes_per_s:
             return float(config.bandwidth_bytes_per_s)
         return bandwidth.cached_host_to_device(config.device)
+
+    @staticmethod
+    def latency_s(config) -> float:
+        """The fixed seconds of one copy (see the module docstring)."""
+        if config.copy_latency_s is not None:
+            return float(config.copy_latency_s)
+        if config.bandwidth_bytes_per_s:
+            return 0.0
+        return bandwidth.cached_latency(config.device)
 
 
 class UnitTimes:

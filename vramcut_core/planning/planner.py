@@ -263,9 +263,10 @@ class UnitPlanner:
         if not bps:
             return plan
         overlap = speed.overlaps(self.config)
-        plan = dataclasses.replace(residency.by_time(plan, bps, self.options, overlap=overlap, session=True),
-                                   source=plan.source)
-        predicted = timeline.predict(plan, bps, overlap=overlap, session=True).step_s
+        lat = self.figures.latency_s(self.config)
+        plan = dataclasses.replace(residency.by_time(plan, bps, self.options, overlap=overlap, session=True,
+                                                     latency_s=lat), source=plan.source)
+        predicted = timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat).step_s
         resident = sum(u.compute_s for u in plan.units if u.entered)
         return dataclasses.replace(plan, time=PlanTime(predicted, resident, source))
 

@@ -9,18 +9,29 @@ starts from that plan and searches residencies that fit the same budget, each pl
 
 1. seeds from a dynamic programme over the forward's units in execution order (``stalls_dp``):
    which units stream, minimising their stalls plus a price per resident byte, where a streamed
-   unit's copy hides behind the compute since the streamed unit before it began, plus the carry
-   that one's copy left (the timeline's rule for two slots, path by path); the price is bisected
-   to where the residency fits, for each size of the largest streamed unit. And, for each count
-   m, m units streamed spread evenly over the forward's compute time.
-2. local improvement from the ``SEEDS_IMPROVED`` fastest seeds: add or drop one unit, or move a
-   streamed unit's place to a resident unit's (nearest first), while that shortens the step (first improvement,
-   at most ``MAX_MOVES`` residencies timed per seed).
-3. for each residency the window has two slots where they fit (else one, as the count-based
-   rule), each the size of the largest streamed unit, the count-based rule's grown size or all
-   the room (``WINDOWS``), whichever is faster (merging more units into one copy hides less of
-   it). Residencies are timed by ``_Search.window_time``, ``timeline.steady`` on plain lists
-   (the plan is built once, for the answer).
+   unit's copy hides behind the compute since its slot freed (two slots: since the streamed unit
+   before it began, plus the carry that one's copy left; one slot: since it ended), path by
+   path; the price is bisected to where the residency fits, for each size of the largest
+   streamed unit and each slot count. And, for each count m, m units streamed spread evenly over
+   the forward's compute time.
+2. where at most ``EXACT_FREE`` units may stream, every residency (``every_residency``): exact
+   under the model over the windows below up to ``EXACT_ALL`` units; above, each residency in
+   its "base" window and the ``EXACT_KEPT`` fastest in every window (on 200 random models of 8 to
+   12 units, tests/core/test_residency.py: within 5 % of trying every residency in every window;
+   0.7 % at worst when written).
+3. local improvement from the ``SEEDS_IMPROVED`` fastest: add or drop one unit, or move a
+   streamed unit's place to a resident unit's (nearest first), while that shortens the step
+   (first improvement, at most ``MAX_MOVES`` residencies timed per seed), each timed in every
+   window. Above ``EXACT_FREE`` units this is a heuristic: no bound on its gap is known.
+4. for each residency the window has two slots or one (both tried), each the size of the largest
+   streamed unit, the count-based rule's grown size or all the room (``WINDOWS``), whichever is
+   faster (merging more units into one copy hides less of it). Residencies are timed by
+   ``_Search.window_time``, ``timeline.steady`` on plain lists (the plan is built once, for the
+   answer), with ``latency_s`` per unit copied.
+
+Planning time (bench/bench_plan.py, one CPU core): a Flux-like 59-unit model (Flux.1-dev's count)
+0.27-0.29 s, 116 units 0.48-0.69 s (0.07 and 0.15 s before both slot counts and every window
+were tried for each residency).
 
 The one rule: the answer is never slower than the count-based plan under the model (that plan is
 the first candidate, and only a strictly faster one replaces it); ties keep fewer bytes streamed,
@@ -41,17 +52,20 @@ SEEDS_IMPROVED = 2   # the fastest seeds the local pass starts from
 MAX_MOVES = 400      # residencies the local pass times at most per seed
 WINDOWS = ("base", "grown", "room")  # the slot sizes tried for a residency (``_Search.timed``)
 _EPS = 1e-12
+EXACT_FREE = 12     # at most this many units free to stream: every residency is timed
+EXACT_ALL = 10      # ... in every window up to this many (exact); above, the fastest in one window
+EXACT_KEPT = 32     # ... of which this many are timed in every window
 
 
 def by_time(plan: Plan, bytes_per_s: float | None, options: PlanOptions = PlanOptions(),
-            overlap: bool = True, session: bool = True) -> Plan:
+            overlap: bool = True, session: bool = True, latency_s: float = 0.0) -> Plan:
     """The fastest plan under ``plan``'s budget over its units (see the module docstring);
     ``plan`` itself when it cannot be beaten or timed."""
     units = plan.units
     if (not bytes_per_s or bytes_per_s <= 0 or not units or not known(units) or not options.residency
             or not plan.streamed_order):
         return plan
-    search = _Search(plan, bytes_per_s, options, overlap, session)
+    search = _Search(plan, bytes_per_s, options, overlap, session, latency_s)
     return search.run()
 
 
@@ -62,13 +76,16 @@ def make_fastest_plan(units: list[PlanUnit], budget: int, options: PlanOptions =
     return by_time(make_plan(units, budget, options, split_unit, warnings), bytes_per_s, options, overlap, session)
 
 
-def step_time(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True) -> float:
-    return predict(plan, bytes_per_s, overlap, session).step_s
+def step_time(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
+              latency_s: float = 0.0) -> float:
+    return predict(plan, bytes_per_s, overlap, session, latency_s).step_s
 
 
 class _Search:
-    def __init__(self, plan: Plan, bps: float, options: PlanOptions, overlap: bool, session: bool) -> None:
+    def __init__(self, plan: Plan, bps: float, options: PlanOptions, overlap: bool, session: bool,
+                 latency_s: float = 0.0) -> None:
         self.base, self.bps, self.options, self.overlap, self.session = plan, bps, options, overlap, session
+        self.lat = latency_s
         units = self.units = plan.units
         self.budget = plan.budget_bytes
         self.act = activation_reserve(units) if plan.measured else 0
@@ -101,7 +118,7 @@ class _Search:
         streamed = transfers = 0
         kind = None          # the open segment: "r" resident, "s" streamed, None
         sc = 0.0             # its compute (units a forward enters)
-        sb = sw = sn = 0     # streamed: bytes per forward, bytes in the slot, most calls
+        sb = sw = sn = sk = 0  # streamed: bytes per forward, bytes in the slot, most calls, copies
         live = False         # does a forward enter one of its units?
         last = False         # is its last unit mergeable?
 
@@ -118,7 +135,7 @@ class _Search:
                     sync.append(False)
             else:
                 compute.append(sc)
-                copy.append(sb / bps)
+                copy.append(sb / bps + self.lat * sk)
                 sync.append(sn > 1)
                 streamed += sb
                 transfers += sn
@@ -136,11 +153,12 @@ class _Search:
                 sw += w[i]
             else:
                 close()
-                kind, sc, sb, sw, sn, live = "s", 0.0, 0, w[i], 0, False
+                kind, sc, sb, sw, sn, sk, live = "s", 0.0, 0, w[i], 0, 0, False
             last = mergeable[i]
             if entered[i]:
                 sc += c[i]
                 sb += wb[i]
+                sk += calls[i]
                 sn = max(sn, calls[i])
                 live = True
         close()
@@ -181,7 +199,6 @@ class _Search:
                     k = self.window_time(res, slots, sb)
                     if best is None or _better(k, best[0]):
                         best = (k, slots, sb, kind)
-                break  # one slot only where two do not fit
         self.memo[memo] = best
         return best
 
@@ -192,17 +209,18 @@ class _Search:
     # -- the search ----------------------------------------------------------------------------
 
     def run(self) -> Plan:
-        start = _key(self.base, self.bps, self.overlap, self.session)
+        start = _key(self.base, self.bps, self.overlap, self.session, self.lat)
         seeds = []
         for r in self.dp_seeds() + self.spread_seeds():
             t = self.timed(r)
             if t is not None:
                 seeds.append((t, r))
+        seeds += self.every_residency()
         if not seeds:
             return self.base
         best = None
         for t, r in sorted(seeds, key=lambda s: s[0][0])[:SEEDS_IMPROVED]:
-            r = self.improve(r, t[3])
+            r = self.improve(r, None)
             t = self.timed(r)  # every window again for the residency found
             if best is None or _better(t[0], best[0][0]):
                 best = (t, r)
@@ -211,7 +229,21 @@ class _Search:
             return self.base
         p = self.plan_of(res, slots, size)
         # the plan itself, timed as ``predict`` times it, must beat the count-based plan
-        return p if _better(_key(p, self.bps, self.overlap, self.session), start) else self.base
+        return p if _better(_key(p, self.bps, self.overlap, self.session, self.lat), start) else self.base
+
+    def every_residency(self) -> list[tuple]:
+        """Where few units may stream (``EXACT_FREE``), every residency that fits: up to
+        ``EXACT_ALL`` of them each timed in every window (exact under the model, given the
+        windows); more, each timed in its "base" window first and the ``EXACT_KEPT`` fastest then
+        in every window."""
+        n = len(self.free)
+        if n > EXACT_FREE:
+            return []
+        every = [self.must | frozenset(self.free[k] for k in range(n) if mask >> k & 1) for mask in range(1 << n)]
+        if n > EXACT_ALL:
+            quick = [(t, r) for r in every if (t := self.timed(r, ("base",))) is not None]
+            every = [r for _, r in sorted(quick, key=lambda q: q[0][0])[:EXACT_KEPT]]
+        return [(t, r) for r in every if (t := self.timed(r)) is not None]
 
     def dp_seeds(self) -> list[frozenset]:
         """Residencies from ``_stalls_dp`` for each largest streamed size and a range of prices of
@@ -224,11 +256,11 @@ class _Search:
                 room = self.budget - self.act - self.must_bytes - slots * cap
                 if room < 0:
                     continue
-                sync = slots == 1 or not self.overlap
+                sync = not self.overlap
                 lo, hi = 0.0, 2.0 * max(units[i].calls for i in free) / self.bps
                 for _ in range(DP_PRICES):
                     lam = (lo + hi) / 2
-                    streamed, res_bytes = self.stalls_dp(cap, lam, sync, room)
+                    streamed, res_bytes = self.stalls_dp(cap, lam, sync, room, slots)
                     if streamed is None:
                         break
                     if res_bytes <= room:
@@ -236,8 +268,6 @@ class _Search:
                         hi = lam
                     else:
                         lo = lam
-                if one_slot or not sync:
-                    break  # two slots fit this size: one slot is never faster
         return list(out)
 
     def spread_seeds(self) -> list[frozenset]:
@@ -261,7 +291,7 @@ class _Search:
                 out.append(self.must | frozenset(i for i in free if i not in picks))
         return out
 
-    def stalls_dp(self, cap: int, lam: float, sync: bool, room: int) -> tuple[set[int] | None, int]:
+    def stalls_dp(self, cap: int, lam: float, sync: bool, room: int, slots: int = 2) -> tuple[set[int] | None, int]:
         """The streamed units minimising (stall seconds + ``lam`` x free resident bytes), by dynamic
         programming over the forward's units in execution order, where a streamed unit's stall is
         its copy less the compute since the streamed unit before it began (its copy starts when
@@ -272,7 +302,7 @@ class _Search:
         m = len(order)
         c = [units[i].compute_s for i in order]
         w = [0 if units[i].keep_resident else units[i].weight_bytes for i in order]
-        x = [units[i].weight_bytes * units[i].calls / bps for i in order]
+        x = [units[i].weight_bytes * units[i].calls / bps + self.lat * units[i].calls for i in order]
         can = [not units[i].keep_resident and units[i].weight_bytes <= cap for i in order]
         loop = [sync or units[i].calls > 1 for i in order]
         inf = float("inf")
@@ -290,6 +320,8 @@ class _Search:
                 if i < 0 or can[i]:
                     if i < 0:  # the first copy is made during the forward before: taken as hidden
                         prev, avail = 0.0, inf
+                    elif slots == 1:  # its slot frees when the streamed unit before is done
+                        prev, avail = cost[i], win
                     else:
                         prev, avail = cost[i], carry[i] + c[i] + win
                     stall = x[j] if loop[j] else max(0.0, x[j] - avail)
@@ -321,7 +353,7 @@ class _Search:
         """Local moves from residency ``res`` while they shorten the step (its windows of ``kind``
         only): a unit made resident, a resident one streamed, or a streamed unit's place moved to a
         resident unit's, nearest first (first improvement, at most ``MAX_MOVES`` tried)."""
-        kinds = (kind,)
+        kinds = (kind,) if kind is not None else WINDOWS
         best = self.timed(res, kinds)
         free = self.free
         pos = {i: k for k, i in enumerate(free)}
@@ -349,8 +381,8 @@ class _Search:
         return res
 
 
-def _key(p: Plan, bps: float, overlap: bool, session: bool) -> tuple:
-    return (step_time(p, bps, overlap, session), p.streamed_bytes_per_forward, p.transfers_per_forward)
+def _key(p: Plan, bps: float, overlap: bool, session: bool, latency_s: float = 0.0) -> tuple:
+    return (step_time(p, bps, overlap, session, latency_s), p.streamed_bytes_per_forward, p.transfers_per_forward)
 
 
 def _better(a: tuple, b: tuple) -> bool:
