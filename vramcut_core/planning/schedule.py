@@ -20,12 +20,12 @@ order (``Copy``), and what each unit's entry does:
   first call, a skipped or repeated block) is copied then (``issue``: the prefetch made at an
   entry when the next group is not already on its way).
 
-A stage before a copy (``Copy.stage``): where a lower tier feeds the copy stream (a read from
-disk into the page-locked bounce buffer, on its own reader) the tier names the stage on the
-copies it feeds (``with_stages``), the timeline runs the stage on a reader lane that the copy
-then waits for (``timeline.Step.stage_s``), and the executor runs the read before
-``Transfers.load`` issues the copy: a disk read is one more engine feeding the copy stream.
-Today every copy reads host memory (``stage`` None).
+A stage before a copy (``Copy.stage``) is where a lower tier plugs in: a read from disk into the
+page-locked bounce buffer, on its own reader, feeding the copy stream (a disk read is one more
+engine feeding it). The tier names the stage on the copies it feeds (``with_stages``); the
+executor runs the read before ``Transfers.load`` issues the copy; the timeline gives the stage a
+lane of its own that the copy then waits for (to be built with the first tier: today no copy has
+a stage, and ``timeline._run`` has no such lane yet).
 """
 from __future__ import annotations
 
