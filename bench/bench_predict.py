@@ -84,7 +84,7 @@ def measure(name: str, model, args, repeat: int) -> dict:
             copy_s.append(eng.last_stats.time_copy_s)
             compute_s.append(eng.last_stats.time_compute_s)
         plan = eng.last_plan
-        unit_s = eng.times.seconds(eng.last_signature)  # the measuring call's unit clock (wall time)
+        unit_s = eng.shapes[eng.last_signature].times.seconds()  # the measuring call's unit clock (wall time)
     with torch.inference_mode():  # the plain model, every weight in place: the resident call
         model(*args)
         plain = []

@@ -25,6 +25,8 @@ def _budget_figures(error: Exception | None) -> dict:
     ``min_budget_bytes`` (the smallest budget, or a lower bound: ``min_budget_exact``) and
     ``need_bytes`` (what one unit alone needs)."""
     out = {}
+    if getattr(error, "device_budgets", None):   # with devices the fix is each device's budget
+        return {"device_budgets": [list(p) for p in error.device_budgets], "min_budget_exact": error.exact}
     for key in ("min_budget_bytes", "need_bytes"):
         v = getattr(error, key, None)
         if isinstance(v, int) and v > 0:
@@ -142,12 +144,12 @@ class NodeReport:
             self.payload.update(figures)
             self.send()
             return
-        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact"):
+        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact", "device_budgets"):
             entry.pop(key, None)
         entry.update(refused=True, message=message, **figures)
         refused = [m for m in self.payload["models"] if m.get("refused")]
         self.payload["message"], self.payload["message_level"] = "; ".join(m["message"] for m in refused), "error"
-        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact"):
+        for key in ("min_budget_bytes", "need_bytes", "min_budget_exact", "device_budgets"):
             self.payload.pop(key, None)
         mins = [m["min_budget_bytes"] for m in refused if "min_budget_bytes" in m]
         needs = [m["need_bytes"] for m in refused if "min_budget_bytes" not in m and "need_bytes" in m]

@@ -266,8 +266,11 @@ class PatchState:
             self.report.fail(msg, e, kind=self.kind)
             # the error panel leads with the fix, the number the node shows
             lead = msg
-            if getattr(e, "min_budget_bytes", None):
-                to = "to" if getattr(e, "exact", False) else "to at least"  # "at least": a lower bound only
+            to = "to" if getattr(e, "exact", False) else "to at least"  # "at least": a lower bound only
+            if getattr(e, "device_budgets", None):   # the devices replace max_vram_gb: name each one
+                lead = f"Devices: set {to} {', '.join(f'{d}={gib_text(b)}' for d, b in e.device_budgets)}. {msg}"
+            elif getattr(e, "min_budget_bytes", None) and (self.settings.devices is None
+                                                            or isinstance(e, RamBudgetError)):
                 what = "max_ram_gb" if isinstance(e, RamBudgetError) else "max_vram_gb"
                 lead = f"Max VRAM: set {what} {to} {gib_text(e.min_budget_bytes)}. {msg}"
             if fallback:

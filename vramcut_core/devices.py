@@ -20,19 +20,27 @@ ones that run (the runtime counts them again on every forward).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from .planning.placement import Placement
+from .figures.meters import OverBudget, UnitMeasurement
+from .figures.trace import TRACED
+from .model.tensors import fmt_bytes
+from .one_device import DeviceSide
+from .planning.placement import Placement, place
+from .planning.budget import BudgetError
 from .planning.plan import Plan, Segment
 from .planning.report import RunStats
 from .runtime import hops as hops_room
 from .runtime.hops import HOME, KEEP, Hops
 
 RULES = (KEEP, HOME)
+
+log = logging.getLogger("vramcut")
 
 
 @dataclasses.dataclass
@@ -219,3 +227,165 @@ def placement_json(placement: Placement, hops: list[dict], measured_peaks: dict[
         })
     return {"devices": devs, "hops": list(hops), "hop_bytes_per_call": sum(h["bytes"] for h in hops),
             "hops_per_call": len(hops)}
+
+
+class SeveralDevices(DeviceSide):
+    """The engine's device side on several devices (``one_device.OneDevice`` is the other; see
+    its module docstring for the interface). The first forward of a shape places its units from
+    the dry run (a budget too small is refused before anything moves), chooses the hop rule on
+    fake devices, and runs the placement measuring, within each device's budget (stopped before
+    passing one, it places again from what it saw); later forwards run the placement made from
+    the measured figures."""
+
+    def __init__(self, make: Callable[[str], object], planner, config) -> None:
+        self.group = DeviceGroup(make, config.devices, config.device)
+        self.executor = self.group.executor_of(config.device)
+        self.executors = self.group.executors
+        self.planner = planner
+        self.low: tuple[tuple[str, int], ...] | None = None   # budgets placed for, where below the config's
+        self.refit = None   # plan.Refit: why the placements were made again for new budgets (the engine's)
+        self.device_stats: dict[str, RunStats] = {}   # per device, the forwards that ran a placement
+        self.last_device_stats: dict[str, RunStats] = {}
+
+    @property
+    def config(self):
+        return self.planner.config
+
+    def fit(self, low: tuple[tuple[str, int], ...] | None) -> None:
+        self.low = low
+
+    def keep(self, devices) -> None:
+        if self.low is not None:   # a new shape: placed for no more than either says
+            was = dict(self.low)
+            self.low = tuple((d, min(b, was.get(d, b))) for d, b in devices)
+
+    def placement(self, shape) -> Placement | None:
+        return shape.placed[0] if shape.placed is not None else None
+
+    # -- the lifecycle's forwards ------------------------------------------------------------
+
+    def first(self, shape, tr, fn: Callable, args: tuple, kwargs: dict):
+        if tr.measurements is None:
+            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
+                f"VRAMCut: a plan across devices needs the dry run, which could not run these inputs "
+                f"({tr.reason}); name one device (devices={self.config.device}=GIB, or no devices) to run "
+                "on one GPU"))
+        meas = {n: dataclasses.replace(m) for n, m in tr.measurements.items()}
+        pl = self._place(meas, tr)
+        check = self._hop_rule(pl, fn, args, kwargs)
+        for _ in range(4):
+            try:
+                out, stats, got = self.group.forward(pl, self.planner.unit, check.rule, fn, args, kwargs, measure=True)
+                break
+            except OverBudget as e:
+                name = self.planner.top(e.unit) if e.unit else None
+                if name not in meas:
+                    raise
+                m = meas[name]
+                log.warning("VRAMCut: the first forward on %d devices passed the traced plan in '%s' (%s "
+                            "activations); placing again", len(self.config.devices), e.unit,
+                            fmt_bytes(e.activation_bytes))
+                m.peak_bytes = max(m.peak_bytes, e.activation_bytes) + self.planner.block_bytes
+                pl = self._place(meas, tr)
+        else:
+            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
+                "VRAMCut: the first forward across devices passed a device's budget four times; "
+                "give the devices more room"))
+        meas = shape.measured(self.planner.aggregate(got))
+        new = self._place(meas, tr)
+        if unit_devices(new, self.planner.unit) != unit_devices(pl, self.planner.unit):
+            # the measured figures moved a cut: the hops of the new placement, on fake devices
+            check = check_hops(self.planner.module, unit_devices(new, self.planner.unit),
+                               torch.device(self.config.device), fn, args, kwargs)
+            check = dataclasses.replace(check, rule=check.rule or HOME)
+        self._planned(shape, (new, check.rule, check.hops))
+        return out, self._stats(stats)
+
+    def place(self, shape, fn: Callable, args: tuple, kwargs: dict) -> None:
+        pl = self._place(shape.measurements, shape.trace)
+        check = self._hop_rule(pl, fn, args, kwargs)
+        self._planned(shape, (pl, check.rule, check.hops))
+
+    def steady(self, shape, last, shapes, notify: Callable, fn: Callable, args: tuple, kwargs: dict):
+        pl, rule, _ = shape.placed
+        out, stats, _ = self.group.forward(pl, self.planner.unit, rule, fn, args, kwargs)
+        over = [(d.device, stats[d.device].peak_device_bytes, d.budget_bytes) for d in pl.used
+                if stats[d.device].peak_device_bytes > d.budget_bytes]
+        return out, self._stats(stats), over
+
+    def preview(self, meas) -> Plan:
+        return combined_plan(self._place(meas, None), TRACED)
+
+    def plan_json(self, shape, out: dict) -> dict:
+        if shape is None or shape.placed is None:
+            return out
+        pl, rule, dry = shape.placed
+        ran = self.group.last_hops.summary() if self.group.last_hops is not None else dry
+        extra = placement_json(pl, ran, {d: s.peak_device_bytes for d, s in self.device_stats.items()})
+        out.update(extra)
+        out["hop_rule"] = rule
+        out["peak_bytes"] = sum(d["peak_bytes"] for d in extra["devices"])
+        out["window_bytes"] = sum(d["window_bytes"] for d in extra["devices"])
+        return out
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _planned(self, shape, placed: tuple) -> None:
+        plan = combined_plan(placed[0], TRACED, shape.again_warnings)
+        if self.refit is not None:
+            plan = dataclasses.replace(plan, refit=self.refit)
+        shape.planned_as(plan, placed)
+
+    def _stats(self, stats: dict[str, RunStats]) -> RunStats:
+        for dev, st in stats.items():
+            self.device_stats.setdefault(dev, RunStats()).add(st)
+        self.last_device_stats = stats
+        return combined(stats)
+
+    def _place(self, meas: dict[str, UnitMeasurement], tr) -> Placement:
+        """The placement of the units on the config's devices from per-unit figures (in the order
+        the forward entered them; FLOPs the real forward does not count come from the dry run
+        ``tr``); a ``BudgetError`` when no placement fits."""
+        pl = self.planner
+        order = [n for n in meas if n in pl.all] + [u.name for u in pl.unitset.units if u.name not in meas]
+        # where the config chooses by time: the units' compute times (the dry run's FLOPs over the
+        # measured throughput), the placement's time tie-break, and each device's residency by time
+        counted = {n: m.flops for n, m in ((tr.measurements if tr is not None else None) or {}).items()}
+        seconds, source = pl.compute_seconds({n: m if m.flops is not None or n not in counted else
+                                              dataclasses.replace(m, flops=counted[n]) for n, m in meas.items()})
+        bps = pl.figures.bytes_per_s(self.config) if seconds is not None else None
+        units = [pl.plan_unit(pl.all[n], meas, seconds=seconds) for n in order]
+        # what stays home while a unit computes elsewhere (everything outside the units: a UNet's
+        # skips, the tensors its inputs were moved from): at most the unit's peak as one device
+        # sees it, the dry run's (a device measures only what is on it) or the measured, larger
+        traced = (tr.measurements if tr is not None else None) or {}
+        held = [max(u.peak_bytes or 0, traced[u.name].peak_bytes if u.name in traced else 0) for u in units]
+        home = str(torch.device(self.config.device))
+        placed = None
+        low = self.low   # a fallen budget placed a margin below it where that fits (``Engine.set_devices``)
+        for budgets in ([low] if low is not None and low != self.config.devices else []) + [self.config.devices]:
+            try:
+                placed = place(units, list(budgets), pl.options, warnings=pl.unitset.warnings, bytes_per_s=bps,
+                               home=home, held=held)
+                break
+            except BudgetError:
+                if budgets is self.config.devices:
+                    raise
+        if not bps:
+            return placed
+        return dataclasses.replace(placed, devices=tuple(
+            d if d.plan is None else dataclasses.replace(d, plan=pl.timed(d.plan, source)) for d in placed.devices))
+
+    def _hop_rule(self, pl: Placement, fn: Callable, args: tuple, kwargs: dict) -> HopCheck:
+        """The hop rule of placement ``pl`` from the dry run on fake devices (``check_hops``); a
+        ``BudgetError`` naming one device as the way out where no rule runs."""
+        check = check_hops(self.planner.module, unit_devices(pl, self.planner.unit), torch.device(self.config.device),
+                           fn, args, kwargs)
+        if check.rule is None:
+            why = (f"the dry run across devices could not run: {check.error}" if check.error else
+                   "this model's forward mixes tensors of different devices between its blocks under any "
+                   f"hop rule ({'; '.join(f'{r}: {why}' for r, why in check.reasons.items())})")
+            raise BudgetError("devices", 0, self.config.budget_bytes, message=(
+                f"VRAMCut: {why}; name one device (devices={self.config.device}=GIB, or no devices) to run "
+                "on one GPU"))
+        return check

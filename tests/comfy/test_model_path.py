@@ -91,7 +91,7 @@ def test_plan_is_measured_once_per_shape_and_cached_for_the_run(family, max_vram
     tm.sample(patched, pos, neg, latent, steps=4)
     state = pack.nodes.patcher.state_of(patched)
     (engine,) = state._engines.values()
-    assert len(engine._plans) == 1, "one plan for one latent shape (cond and uncond batched)"
+    assert len(engine.shapes.plans()) == 1, "one plan for one latent shape (cond and uncond batched)"
     # at the end of sampling the node shows what the run did
     stats = payload["models"][0]["plan"]["stats"]
     assert stats["forwards"] >= 4 and stats["bytes_streamed"] >= 4 * payload["models"][0]["plan"]["streamed_bytes_per_forward"] // 2

@@ -352,3 +352,33 @@ def test_a_free_device_budget_follows_what_another_program_takes(simn, pack, max
     assert "the budget fell" in engine.describe()["plan"]["refit"]["reason"]
     state.release()
     mm.unload_all_models()
+
+
+def test_refusals_with_devices_name_each_device_never_max_vram_gb(simn, pack, max_vram):
+    """With a Devices node the budgets are the devices' (max_vram_gb no longer sets them): the
+    weights-only refusal when the node runs, and the first call's refusal and the fix it leads
+    with, name each device's own smallest budget in the Devices node's form."""
+    sim, fam = simn, FAMILIES["sd3_mmdit"]
+    n = sim.n_devices
+    with sim.host_memory():
+        patcher = fam.load()
+    patcher.load_device = torch.device("cuda", 0)
+    inputs = fam.inputs()   # made outside host memory: cuda:0's memory
+    (tiny,), _ = run_node(pack, "VRAMCutDevices", devices=", ".join(f"cuda:{i}=0.0000001" for i in range(n)),
+                          reserve_gb=1.0)
+    with pytest.raises(ValueError) as e:
+        max_vram(1.0, model=patcher, devices=tiny)
+    msg = str(e.value)
+    assert "max_vram_gb" not in msg, msg
+    assert all(f"cuda:{i}=0.0000001" in msg for i in range(n)) and "at least cuda:0=" in msg, msg
+
+    biggest = max(u.weight_bytes for u in pack.vramcut_core.find_units(patcher.model.diffusion_model).units)
+    (few,), _ = run_node(pack, "VRAMCutDevices", devices=", ".join(f"cuda:{i}={biggest / GIB:.9f}" for i in range(n)),
+                         reserve_gb=1.0)
+    (clone, _, _), _ = max_vram(1.0, model=patcher, devices=few)
+    with pytest.raises(ValueError) as e, torch.no_grad():
+        sampling(clone, lambda: call(clone.model, clone, inputs))
+    msg, err = str(e.value), e.value.__cause__
+    per = ", ".join(f"{d}={pack.vramcut_core.gib_text(b)}" for d, b in err.device_budgets)
+    assert msg.startswith(f"Devices: set to {per}. ") and "max_vram_gb" not in msg, msg
+    pack.nodes.state.state_of(clone).release()

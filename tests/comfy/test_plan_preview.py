@@ -86,7 +86,7 @@ def previewed(pack, max_vram, gb, slot, model, shp):
     assert entry["stage"] == "traced" and entry["traced_at"] == label
     assert entry["plan"]["source"] == "traced" and entry["plan"]["measured"]
     eng = engine(pack, patched)
-    assert eng.stats.forwards == 0 and not eng.measurements and not eng._plans, "nothing ran"
+    assert eng.stats.forwards == 0 and not eng.measurements and not eng.shapes.plans(), "nothing ran"
     assert eng.executor.device_bytes == 0 and eng.executor.peak_weight_bytes == 0, "no weight was copied"
     return patched, entry, eng
 
@@ -193,7 +193,7 @@ def test_model_preview_is_the_plan_the_first_run_uses(comfy, pack, max_vram, tra
     same_plan(pack, entry["plan"], eng.planner.measured_plan(dict(eng.traces[sig].measurements), "traced"))
     ref_fn, ref_args, ref_kwargs = pack.nodes.preview._model_call(model, shp)
     assert torch.equal(out, ref_fn(*ref_args, **ref_kwargs))
-    assert eng._plans[sig].segments == eng.planner.measured_plan(dict(eng.traces[sig].measurements), "traced").segments
+    assert eng.shapes.plans()[sig].segments == eng.planner.measured_plan(dict(eng.traces[sig].measurements), "traced").segments
 
     # a sampling run at the same shape: its call also carries the step schedule (steps + 1
     # floats in the transformer options, live through the whole forward), so it is traced again,
@@ -259,7 +259,7 @@ def test_a_budget_too_small_for_the_shape_is_shown_with_the_number_and_remembere
     (entry,) = payload["models"]
     assert entry["refused"] and entry["stage"] == "weights"
     eng = engine(pack, outs[2])
-    assert not eng._failed and eng.executor.peak_weight_bytes == 0
+    assert not eng.shapes.failures() and eng.executor.peak_weight_bytes == 0
 
 
 def test_image_model_with_frames_is_said_on_the_node(comfy, pack, max_vram):

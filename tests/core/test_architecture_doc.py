@@ -9,8 +9,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "vramcut_core"
 DOC = ROOT / "docs" / "architecture.md"
 # The parts in the order the page gives them; a part may import itself and the parts before it
-# (engine.py and devices.py are one part, the door).
-RANK = {"model": 0, "figures": 1, "planning": 2, "formats": 3, "runtime": 4, "engine": 5, "devices": 5, "cli": 6}
+# (engine.py and the modules beside it are one part, the door).
+RANK = {"model": 0, "figures": 1, "planning": 2, "formats": 3, "runtime": 4, "engine": 5, "devices": 5, "config": 5,
+        "shape": 5, "one_device": 5, "cli": 6}
 
 
 def modules() -> dict[str, pathlib.Path]:

@@ -80,11 +80,11 @@ def test_cpu_times_units_in_the_forward_after_the_measuring_one_resident_units_t
     with torch.no_grad(), eng.session():
         assert torch.equal(eng.run(model, x), ref)
         sig = eng.last_signature
-        assert eng.times.seconds(sig) is None
+        assert eng.shapes[sig].times.seconds() is None
         assert torch.equal(eng.run(model, x), ref)
-        secs = eng.times.seconds(sig)
+        secs = eng.shapes[sig].times.seconds()
         plan = eng.last_plan
         assert plan.resident_units and plan.streamed_order
         assert set(secs) == {u.name for u in plan.units if u.entered} and all(s > 0 for s in secs.values())
         assert torch.equal(eng.run(model, x), ref)
-        assert eng.times.seconds(sig) == secs  # timed once, not on every forward
+        assert eng.shapes[sig].times.seconds() == secs  # timed once, not on every forward

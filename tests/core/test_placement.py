@@ -10,7 +10,7 @@ import pytest
 
 from test_cli import flux_like_entries, write_header_only
 from vramcut_core import BudgetError, PlanOptions, PlanUnit, make_plan
-from vramcut_core.planning.budget import gib_text
+from vramcut_core.planning.budget import gib_given_text, gib_text
 from vramcut_core.cli.commands import main
 from vramcut_core.planning.placement import parse_devices, place
 
@@ -89,10 +89,10 @@ def test_budgets_too_small_in_total_are_refused_with_budgets_that_work():
         place(units, devs)
     msg = str(e.value)
     assert "cuda:0=" in msg and "cuda:1=" in msg and e.value.min_budget_bytes > 150 * MB
-    # its own words: the budgets given, and per device and in all the smallest that work (GiB
-    # as max_vram_gb writes them); no unit named "devices"
+    # its own words: the budgets given (rounded down: never read as the smallest), and per device
+    # and in all the smallest that work (GiB as the Devices node takes them); no unit named "devices"
     (d0, b0), (d1, b1) = e.value.device_budgets
-    assert msg.startswith(f"VRAM budgets cuda:0={gib_text(100 * MB)}, cuda:1={gib_text(50 * MB)} (")
+    assert msg.startswith(f"VRAM budgets cuda:0={gib_given_text(100 * MB)}, cuda:1={gib_given_text(50 * MB)} (")
     assert f"are cuda:0={gib_text(b0)}, cuda:1={gib_text(b1)} (" in msg and "GiB in all)" in msg
     assert "unit 'devices'" not in msg and e.value.min_budget_bytes == b0 + b1
     assert place(units, list(e.value.device_budgets))  # the suggestion places

@@ -173,7 +173,7 @@ def test_unet_skip_connections_would_mix_devices_without_the_home_rule(sim2):
         sig_plan = eng.preview_as(("x",), model, *args)  # traced figures (one device)
         del sig_plan
         meas = dict(eng.traces[("x",)].measurements)
-        pl = eng._place(meas)
+        pl = eng.side._place(meas, None)
         placed = unit_devices(pl, eng.planner.unit)
         check = check_hops(model, placed, torch.device("cuda:0"), model, args, {})
         assert check.rule == "home" and "keep" in check.reasons and "device" in check.reasons["keep"]
@@ -391,7 +391,7 @@ def test_dry_run_across_devices_failure_names_what_failed(sim2, kind, match):
             eng.run(model, *args)
         assert sim2.allocs[1].high_allocated == 0
         (trace,) = eng.traces.values()
-        pl = eng._place(dict(trace.measurements))
+        pl = eng.side._place(dict(trace.measurements), None)
         check = check_hops(model, unit_devices(pl, eng.planner.unit), torch.device("cuda:0"), model, args, {})
     assert check.rule is None
     if kind == "mixes":

@@ -330,13 +330,13 @@ def test_a_preview_is_the_plan_the_first_forward_runs_and_copies_nothing(name, f
     need = Engine(model, EngineConfig(budget_bytes=1024, device="cpu"))
     with pytest.raises(BudgetError) as e, torch.no_grad():
         need.preview_as(signature(args, {}), fn, *args)
-    assert not need._failed and len(need.traces) == 1, "the profile stays, the verdict does not"
+    assert not need.shapes.failures() and len(need.traces) == 1, "the profile stays, the verdict does not"
     budget = e.value.min_budget_bytes + 1
     eng = Engine(model, EngineConfig(budget_bytes=budget, device="cpu"))
     with torch.no_grad():
         plan = eng.preview_as(signature(args, {}), fn, *args)
     assert plan.source == TRACED and not forwards and eng.executor.device_bytes == 0
-    assert eng.executor.peak_weight_bytes == 0 and eng.stats.forwards == 0 and not eng._plans
+    assert eng.executor.peak_weight_bytes == 0 and eng.stats.forwards == 0 and not eng.shapes.plans()
     assert_unchanged(model, snap)
     traced = []
     orig = engine_mod.trace_units
@@ -360,7 +360,7 @@ def test_a_preview_that_cannot_trace_says_why_and_leaves_nothing():
     eng = Engine(model, EngineConfig(budget_bytes=1 << 30, device="cpu"))
     with pytest.raises(TraceUnavailable, match="AssertionError"), torch.no_grad():
         eng.preview_as(signature((x,), {}), model, x)
-    assert not eng.traces and not eng._plans and not eng._failed
+    assert not eng.traces and not eng.shapes.plans() and not eng.shapes.failures()
 
 
 # ------------------------------------------------------------------------------------------------

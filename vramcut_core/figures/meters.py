@@ -9,6 +9,7 @@ meter measures what the model's computation allocates.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from typing import Callable
 
@@ -17,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..model.tensors import is_plain_tensor
+from ..model.tensors import is_plain_tensor, max_abs_diff
 
 
 
@@ -50,6 +51,23 @@ def describe_signature(sig: tuple, limit: int = 3) -> str:
     """Short text for a signature: the largest tensors' shapes and dtypes."""
     big = sorted(sig, key=lambda e: -_numel(e[1]))[:limit]
     return ", ".join(f"{p} {'x'.join(map(str, s))} {d.replace('torch.', '')}" for p, s, d in big)
+
+
+def verify_unpatched(sig: tuple, out, fn: Callable, args: tuple, kwargs: dict) -> dict:
+    """Run ``fn`` unpatched on the same inputs; the largest |difference| from ``out``, logged."""
+    res = {"signature": describe_signature(sig), "max_abs_diff": None, "equal": None, "error": None}
+    try:
+        ref = fn(*args, **kwargs)
+        res["max_abs_diff"], res["equal"] = max_abs_diff(out, ref)
+    except Exception as e:  # verification must never break the run it checks
+        res["error"] = f"{type(e).__name__}: {e}"
+    log = logging.getLogger("vramcut")
+    if res["error"]:
+        log.warning("VRAMCut verify (%s): the unpatched forward could not run: %s", res["signature"], res["error"])
+    else:
+        log.warning("VRAMCut verify (%s): max |segmented - unpatched| = %g (%s)", res["signature"],
+                    res["max_abs_diff"], "bit-equal" if res["equal"] else "differs")
+    return res
 
 
 def _numel(shape: tuple) -> int:

@@ -15,7 +15,7 @@ compute time and a bandwidth; without either the count-based plan is kept.
 * Throughput: ``EngineConfig.flops_per_s``, else ``bandwidth.matmul_throughput`` for the device and
   the module's compute dtype (a probe, once per device and dtype, cached), its matrices sized to
   what the budget leaves when it runs (``Figures.room``: the engine's budget less what it holds).
-* Measured times: ``UnitTimes`` keeps, per input signature, a unit clock
+* Measured times: ``UnitTimes`` keeps, for one input signature, a unit clock
   (``runtime.measuring.UnitClock``) until its marks can be read without waiting, then the seconds
   per unit; they replace the dry run's estimate. On CUDA the clock is the measuring forward's; on
   CPU the forward after it is timed, without the meter (a CPU meter runs Python at every
@@ -97,41 +97,37 @@ class Figures:
 
 
 class UnitTimes:
-    """Measured compute seconds per unit and input signature. ``top(name)`` maps a part of a finer
-    cut to the unit it was cut from (the parts' times add up)."""
+    """Measured compute seconds per unit of one input signature (``shape.Shape.times``).
+    ``top(name)`` maps a part of a finer cut to the unit it was cut from (the parts' times add up)."""
 
     def __init__(self, top: Callable[[str], str]) -> None:
         self.top = top
-        self._clocks: dict[tuple, object] = {}
-        self._seconds: dict[tuple, dict[str, float]] = {}
+        self._clock = None
+        self._seconds: dict[str, float] | None = None
 
-    def measured(self, sig: tuple, clock) -> None:
-        """A measuring forward of ``sig`` ran with ``clock`` (None: it kept no clock)."""
-        self._seconds.pop(sig, None)
+    def measured(self, clock) -> None:
+        """A measuring forward ran with ``clock`` (None: it kept no clock)."""
+        self._seconds = None
         if clock is not None:
-            self._clocks[sig] = clock
-        self.ready(sig)
+            self._clock = clock
+        self.ready()
 
-    def ready(self, sig: tuple) -> bool:
-        """True once, when ``sig``'s clock has just become readable (its plan can be timed again);
+    def ready(self) -> bool:
+        """True once, when the clock has just become readable (the plan can be timed again);
         reading never waits (a clock whose last mark has not completed stays pending)."""
-        clock = self._clocks.get(sig)
+        clock = self._clock
         if clock is None:
             return False
         secs = clock.seconds()
         if secs is None:
             return False
-        del self._clocks[sig]
+        self._clock = None
         out: dict[str, float] = {}
         for n, s in secs.items():
             t = self.top(n)
             out[t] = out.get(t, 0.0) + s
-        self._seconds[sig] = out
+        self._seconds = out
         return True
 
-    def seconds(self, sig: tuple) -> dict[str, float] | None:
-        return self._seconds.get(sig)
-
-    def forget(self) -> None:
-        self._clocks.clear()
-        self._seconds.clear()
+    def seconds(self) -> dict[str, float] | None:
+        return self._seconds

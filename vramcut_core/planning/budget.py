@@ -35,6 +35,9 @@ class BudgetError(ValueError):
         msg = message or (f"VRAM budget {budget_gib(budget_bytes)} is too small: unit '{unit}' needs "
                           f"{need_gib(need_bytes)} on the device")
         msg += f" ({detail})" if detail else ""
+        self.bound = bound     # why a minimum is only a lower bound
+        self.what: str | None = None   # what does not fit, as "is too small…" goes on (``budget_error``)
+        self.device_budgets: tuple[tuple[str, int], ...] | None = None  # per device (``placement``)
         if min_budget_bytes is not None:
             msg += "; " + min_budget_text(min_budget_bytes, exact, bound)
         super().__init__(msg)
@@ -62,14 +65,15 @@ def budget_error(unit: str, budget: int, *, kind: str, weight_bytes: int, activa
     Every figure is in GiB at the widget's three decimals, as the budget it stands beside."""
     act = activation_bytes or 0
     if kind == "activations":
-        msg = (f"VRAM budget {budget_gib(budget)} is too small for this input shape: its activations need "
-               f"{need_gib(act)} (unit '{unit}'), beside {need_gib(weight_bytes)} of weights")
+        what = (f" for this input shape: its activations need {need_gib(act)} (unit '{unit}'), beside "
+                f"{need_gib(weight_bytes)} of weights")
     else:
-        msg = (f"VRAM budget {budget_gib(budget)} is too small: unit '{unit}' needs "
-               f"{need_gib(weight_bytes)} of weights on the device"
-               + (f", {need_gib(weight_bytes + act)} with the activations" if activation_bytes is not None else ""))
-    return BudgetError(unit, weight_bytes + act, budget, detail, kind=kind,
-                       min_budget_bytes=min_budget_bytes, exact=exact, message=msg, bound=bound)
+        what = (f": unit '{unit}' needs {need_gib(weight_bytes)} of weights on the device"
+                + (f", {need_gib(weight_bytes + act)} with the activations" if activation_bytes is not None else ""))
+    err = BudgetError(unit, weight_bytes + act, budget, detail, kind=kind, min_budget_bytes=min_budget_bytes,
+                      exact=exact, message=f"VRAM budget {budget_gib(budget)} is too small{what}", bound=bound)
+    err.what = what + (f" ({detail})" if detail else "")
+    return err
 
 
 def gib_text(n: int) -> str:
@@ -80,6 +84,20 @@ def gib_text(n: int) -> str:
     while gib_to_bytes(text(k)) < n:  # the text read back, float rounding included
         k += 1
     return text(k)
+
+
+def gib_given_text(n: int) -> str:
+    """A budget given, as GiB text that reads back as no more than ``n`` bytes: rounded DOWN at
+    the widget's precision (finer, to the first digit that is not 0, below it), so that a budget
+    refused never reads as the smallest one that works (``gib_text`` rounds that one up)."""
+    for digits in range(3, 13):
+        text = lambda k: f"{k / 10**digits:.{digits}f}"  # noqa: E731
+        k = math.floor(n / 1024**3 * 10**digits) + 1
+        while k > 0 and gib_to_bytes(text(k)) > n:
+            k -= 1
+        if k > 0:
+            return text(k)
+    return "0"
 
 
 def budget_gib(n: int) -> str:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from .budget import BudgetError, WEIGHTS_ALONE, gib_text, gib_to_bytes
-from .plan import Plan, PlanOptions, PlanUnit, _Infeasible, build_plan, make_plan
+from .budget import WEIGHTS_ALONE, BudgetError, gib_given_text, gib_text, gib_to_bytes
+from .plan import REFIT_MARGIN, Plan, PlanOptions, PlanUnit, _Infeasible, build_plan, make_plan, refit_reason
 from .timeline import known, predict
 
 
@@ -72,6 +72,26 @@ class Placement:
         return tuple(d for d in self.devices if d.plan is not None)
 
 
+def refit_reasons(placement: Placement, budgets: dict[str, int]) -> list[str]:
+    """Why ``placement`` must be made again for new ``budgets`` (device -> bytes), one line per
+    device whose part no longer holds (``plan.refit_reason``; a device given nothing: its budget
+    grew past the margin while something streams); empty when every part still holds. One device
+    is a placement of one (its line names no device)."""
+    many = len(placement.devices) > 1
+    whys = []
+    for d in placement.devices:
+        new = budgets[d.device] if many or d.device in budgets else next(iter(budgets.values()))
+        if d.plan is not None:
+            why = refit_reason(d.plan, new)
+        elif new > d.budget_bytes * (1 + REFIT_MARGIN) and placement.host_bytes_per_forward:
+            why = f"the budget grew to {gib_text(new)} GiB"
+        else:
+            why = None
+        if why:
+            whys.append(f"{d.device}: {why}" if many else why)
+    return whys
+
+
 def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: bool = False
                   ) -> list[tuple[str, int | None]]:
     """``"cuda:0=8, cuda:1=6.5"`` as ``[(device, budget bytes)]`` (GiB in, bytes out).
@@ -113,10 +133,14 @@ def parse_devices(text: str, known: Callable[[str], bool] | None = None, free: b
 
 def place(units: Sequence[PlanUnit], devices: Sequence[tuple[str, int]], options: PlanOptions = PlanOptions(),
           split_unit: Callable[[str], list[PlanUnit] | None] | None = None, warnings: Sequence[str] = (),
-          bytes_per_s: float | None = None) -> Placement:
+          bytes_per_s: float | None = None, home: str | None = None, held: Sequence[int] | None = None
+          ) -> Placement:
     """The placement of ``units`` (in execution order) on ``devices``; see the module docstring.
-    ``bytes_per_s``: the host-to-device bandwidth, for the predicted-time tie-break. Raises
-    ``BudgetError`` when no placement fits, ValueError for no devices or a bad budget."""
+    ``bytes_per_s``: the host-to-device bandwidth, for the predicted-time tie-break. ``held[k]``:
+    the activation bytes that may live on the ``home`` device while unit ``k`` computes on another
+    (what the forward keeps outside the units: a UNet's skip connections, the tensors a unit's
+    inputs were moved from); the home device's part holds the largest of them beside its own.
+    Raises ``BudgetError`` when no placement fits, ValueError for no devices or a bad budget."""
     units = tuple(units)
     if not devices:
         raise ValueError("place: no devices")
@@ -128,14 +152,15 @@ def place(units: Sequence[PlanUnit], devices: Sequence[tuple[str, int]], options
         plan = make_plan(list(units), b, options, split_unit, warnings)
         return Placement(plan.units, (DevicePlan(name, b, 0, len(plan.units), plan),), ())
     timed = bytes_per_s if bytes_per_s and bytes_per_s > 0 and known(units) else None
-    found = _best(units, devices, options, warnings, timed)
+    found = _best(units, devices, options, warnings, timed, home, held)
     if found is None:
-        raise _refusal(units, devices, options)
+        raise _refusal(units, devices, options, home, held)
     return found
 
 
 def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], options: PlanOptions,
-          warnings: Sequence[str], bytes_per_s: float | None = None) -> Placement | None:
+          warnings: Sequence[str], bytes_per_s: float | None = None, home: str | None = None,
+          held: Sequence[int] | None = None) -> Placement | None:
     """Dynamic programming over cut points: best[j] after each device is the best placement of
     units[:j] on the devices so far, keyed (host bytes, hops, hop bytes, predicted seconds where
     ``bytes_per_s`` is given, device order)."""
@@ -149,13 +174,19 @@ def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], optio
             if j not in nxt or key < nxt[j][0]:
                 nxt[j] = (key, parts, last)
 
+        at_home = held is not None and name == home
         for i, (key, parts, last) in best.items():
-            offer(i, key, parts + [DevicePlan(name, budget, i, i, None)], last)  # this device takes none
+            if not at_home or max(held, default=0) <= budget:
+                offer(i, key, parts + [DevicePlan(name, budget, i, i, None)], last)  # this device takes none
             for j in range(i + 1, n + 1):
                 try:
                     plan = build_plan(units[i:j], budget, options, (), warnings)
                 except _Infeasible:
                     break  # a longer run needs at least as much
+                if at_home:
+                    plan = _holding(units, i, j, held, budget, options, warnings, plan)
+                    if plan is None:
+                        continue  # what the others' units leave here does not fit beside it (a longer run may)
                 hop = 0 if last is None else 1
                 hb = 0 if last is None else (units[i].entry_bytes or 0)
                 # last: units on earlier devices first (the first device is where the host expects the output)
@@ -178,10 +209,26 @@ def _best(units: tuple[PlanUnit, ...], devices: Sequence[tuple[str, int]], optio
     return Placement(units, tuple(parts), tuple(hops), known)
 
 
-def _refusal(units, devices, options) -> BudgetError:
+def _holding(units, i: int, j: int, held: Sequence[int], budget: int, options, warnings, plan: Plan) -> Plan | None:
+    """The home device's plan of ``units[i:j]`` that also holds the bytes the other devices' units
+    leave on it (``place``'s ``held``): its activation reserve the larger of its own and theirs
+    (raised on its first unit's figure, so the plan's peak says it); None when that does not fit."""
+    away = max((h for k, h in enumerate(held) if not i <= k < j), default=0)
+    first = units[i]
+    if first.peak_bytes is None or away <= (plan.activation_reserve_bytes or 0):
+        return plan
+    run = (dataclasses.replace(first, peak_bytes=max(first.peak_bytes, away)),) + tuple(units[i + 1:j])
+    try:
+        return build_plan(run, budget, options, (), warnings)
+    except _Infeasible:
+        return None
+
+
+def _refusal(units, devices, options, home=None, held=None) -> BudgetError:
     """The smallest budgets in the proportions given (found by bisection on the scale, then
     checked at the GiB text the message gives), and the error naming them."""
-    fits = lambda bs: _best(units, list(zip((n for n, _ in devices), bs)), options, ()) is not None  # noqa: E731
+    fits = lambda bs: _best(units, list(zip((n for n, _ in devices), bs)), options, (), None,  # noqa: E731
+                            home, held) is not None
     scaled = lambda f: [max(1, int(b * f)) for _, b in devices]  # noqa: E731
     lo, hi = 1.0, 2.0
     while not fits(scaled(hi)):
@@ -199,27 +246,56 @@ def _refusal(units, devices, options) -> BudgetError:
 
 
 def devices_error(devices: Sequence[tuple[str, int]], suggestion: Sequence[tuple[str, int]] | None, *,
-                  exact: bool, bound: str = WEIGHTS_ALONE) -> BudgetError:
-    """The one place the text of a refused placement is written: the budgets given and the
-    smallest that work in the same proportions, per device and in all (``budget.gib_text``: rounded
-    up at ``max_vram_gb``'s precision, each of them places); "at least" with ``bound`` when the
-    activations were not measured. ``min_budget_bytes`` is the suggestion's total, and
-    ``device_budgets`` the suggestion itself."""
-    given = ", ".join(f"{n}={gib_text(b)}" for n, b in devices)
+                  exact: bool, bound: str = WEIGHTS_ALONE, what: str | None = None) -> BudgetError:
+    """The one place the text of a refusal with devices is written: the budgets given (rounded
+    down: ``budget.gib_given_text``) and the smallest that work in the same proportions, per device
+    and in all, in the Devices node's form (``cuda:0=…, cuda:1=…``; ``budget.gib_text``: rounded up
+    at the widget's precision, each of them places), so that a budget given never reads as the
+    smallest; "at least" with ``bound`` when the activations were not measured. ``what``: what
+    does not fit, where a plan said it (``BudgetError.what``). ``min_budget_bytes`` is the suggestion's total,
+    and ``device_budgets`` the suggestion itself."""
+    given = ", ".join(f"{n}={gib_given_text(b)}" for n, b in devices)
     total = sum(b for _, b in devices)
-    msg = f"VRAM budgets {given} ({gib_text(total)} GiB in all) are too small: no placement of the units fits"
+    if len(devices) > 1:
+        msg = f"VRAM budgets {given} ({gib_given_text(total)} GiB in all) are too small"
+    else:
+        msg = f"VRAM budget {given} is too small"
+    msg += what if what is not None else ": no placement of the units fits"
     need = None
+    many = len(devices) > 1
     if suggestion is None:
         msg += " at any budgets in these proportions"
     else:
         need = sum(b for _, b in suggestion)
         per = ", ".join(f"{n}={gib_text(b)}" for n, b in suggestion)
-        in_all = f"{sum(float(gib_text(b)) for _, b in suggestion):.3f}"
-        if exact:
-            msg += f"; the smallest budgets that work for this shape, in the same proportions, are {per} ({in_all} GiB in all)"
+        in_all = f"{sum(float(gib_text(b)) for _, b in suggestion):.3f} GiB in all"
+        if exact and many:
+            msg += f"; the smallest budgets that work for this shape, in the same proportions, are {per} ({in_all})"
+        elif exact:
+            msg += f"; the smallest budget that works for this shape is {per}"
+        elif many:
+            msg += f"; in the same proportions the budgets must be at least {per} ({in_all}; {bound})"
         else:
-            msg += f"; in the same proportions the budgets must be at least {per} ({in_all} GiB in all; {bound})"
+            msg += f"; the budget must be at least {per} ({bound})"
     err = BudgetError("devices", need or total, total, kind="weights", message=msg)
     err.min_budget_bytes, err.exact = need, exact and need is not None
     err.device_budgets = tuple(suggestion) if suggestion is not None else None
     return err
+
+
+def in_devices_form(e: BudgetError, devices: Sequence[tuple[str, int]]) -> BudgetError:
+    """A refusal of an engine given devices, naming each device's own smallest budget in the
+    Devices node's form (never ``max_vram_gb``, the setting the devices replace): a placement's
+    refusal as it is; one device's plan refused with its smallest budget on that device; a plan
+    of the devices' budgets summed (the weights-only plan drawn before a run) in the devices'
+    proportions, at least that. An error that knows no budget that works stays as it is."""
+    if not devices or e.device_budgets is not None or e.min_budget_bytes is None:
+        return e
+    total = sum(b for _, b in devices)
+    need = e.min_budget_bytes
+    if len(devices) == 1:
+        sug = [(devices[0][0], need)]
+    else:   # the sum's minimum, in the same proportions: a lower bound for a placement
+        sug = [(n, gib_to_bytes(gib_text(max(1, -(-need * b // total))))) for n, b in devices]
+    exact = e.exact and len(devices) == 1
+    return devices_error(devices, sug, exact=exact, bound=e.bound, what=e.what)
