@@ -43,7 +43,7 @@ WIDGETS = ["max_vram_gb", "budget_mode", "reserve_gb", "prefetch", "residency"]
 
 TINY_UNITS = 7               # the tiny SD3's units (blocks) as the planner cuts it
 TINY_SHAPE = (64, 64)        # the example's preview shape set for the tiny SD3 (it takes <= 256 px): 2 resident segments at TINY_BUDGET_GB
-WIDGETS_HEIGHT_MAX = 240     # the five widgets, the five socket rows (preview_shape and devices: +20 each), the title and margins, in graph units
+WIDGETS_HEIGHT_MAX = 264     # the six widgets, the five socket rows (preview_shape and devices: +20 each), the title and margins, in graph units
 MIN_PLAN_ROW = 24            # web/vramcut.js MIN_WIDGET_HEIGHT: the header row
 
 PROMPT_TIMEOUT_S = 120
@@ -111,8 +111,13 @@ def test_example_workflow_is_a_template(comfy_server, name):
     assert nodes, "the example has no Max VRAM node"
     info = comfy_server.get(f"/object_info/{NODE_TYPE}")[NODE_TYPE]
     assert info["input_order"]["required"] == WIDGETS  # the widget order the examples were saved with
+    # the frontend saves a widget for every primitive input, the optional ones after the required
+    optional = [k for k in info["input_order"].get("optional", [])
+                if info["input"]["optional"][k][0] in ("FLOAT", "INT", "BOOLEAN", "STRING")]
+    assert optional == ["max_ram_gb"], optional
     for n in nodes:
-        assert len(n["widgets_values"]) == len(WIDGETS)
+        assert len(n["widgets_values"]) == len(WIDGETS) + len(optional)
+        assert [i["name"] for i in n["inputs"] if "widget" in i] == WIDGETS + optional
         kind, opts = info["input"]["required"]["budget_mode"]
         assert n["widgets_values"][1] in (opts["options"] if kind == "COMBO" else kind)  # V3 / V1 combo
         assert "vramcut_plan" not in n.get("properties", {}), "an example must not carry a stale plan"
