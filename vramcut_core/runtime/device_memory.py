@@ -53,7 +53,7 @@ class DeviceCopy:
         self.unit: str | None = None
         self.views: dict[int, torch.Tensor] = {}     # tensor index -> device tensor
         self.parts: dict[int, list[torch.Tensor]] = {}  # quantized tensor index -> device parts
-        self.ready: object | None = None             # CUDA event of the copy, or None
+        self.ready: object | None = None             # CUDA event of the copy (CPU: its reads ahead), or None
         self.patched = False                         # on_loaded has run on this copy
 
 

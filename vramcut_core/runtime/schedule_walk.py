@@ -8,7 +8,9 @@ call (the schedule's ``ahead``: counted in the call that reads them, ``take_ahea
 call that happened to issue them; dropped unread when the session ends, ``drop_ahead``). The one
 rule: a copy into a slot is issued once the group that last held it is done (its free event
 recorded when another unit is entered or the call ends) and waits for that event alone; a group
-not in its slot when entered is copied at once, and compute waits for it. The copies themselves,
+not in its slot when entered is copied at once, and compute waits for it. A prefetch (``sync``
+false) of a disk-tier group on CPU is its read stage: the reader thread fills the slot while the
+host computes the groups before it, and the group's entry waits for the reads. The copies themselves,
 their events and which streams wait on them are ``transfers``'s. May call torch,
 ``planning.schedule``, ``device_memory`` (slots, byte counts), ``transfers`` (the copies),
 ``binding`` (pointer swaps) and read ``measuring`` (activations seen, whether a forward measures).
@@ -121,7 +123,7 @@ class ScheduleWalk:
         nxt = self.next.get(name)
         if (nxt is not None and len(mem.slots) >= 2 and mem.slot_of(nxt[0]) is None
                 and (holding or name not in self.schedule.ahead)):  # (released unread after the call)
-            self._into_slot(nxt, mem.other_slot(self.last_streamed), sync=not self.cuda,
+            self._into_slot(nxt, mem.other_slot(self.last_streamed), sync=False,
                             ahead=name in self.schedule.ahead)
 
     def close_group(self, holding: bool, entering: str | None = None) -> None:
@@ -141,7 +143,7 @@ class ScheduleWalk:
                 or not (holding or slot.group not in self.schedule.ahead)):  # (released unread after the call)
             return
         # (at the call's end the tensors stay on their masters until the next call enters it)
-        self._into_slot(nxt, slot, sync=not self.cuda, swap=entering is not None,
+        self._into_slot(nxt, slot, sync=False, swap=entering is not None,
                         ahead=entering is None or slot.group in self.schedule.ahead)
 
     def unhooked(self) -> set[str]:

@@ -53,6 +53,10 @@ class Transfers:
         # is issued (``schedule_walk``)
         self.stats = None
         self._staged_bytes = 0                          # page-locked staging of the transfer being issued
+        # CPU: disk reads issued ahead into a buffer (a slot), by the buffer's address, not yet
+        # waited for; ``_ahead`` while a prefetch (``load(sync=False)``) is issued
+        self._reading: dict[int, list[concurrent.futures.Future]] = {}
+        self._ahead = False
         # Other streams that read the weights while they are swapped in (the host's offload
         # streams, ``HostHooks.reader_streams``): each waits on the same copy events as the
         # compute stream.
@@ -63,6 +67,7 @@ class Transfers:
 
     def drain(self) -> None:
         """Before the device buffers are freed: every copy and every queued kernel has finished."""
+        self.wait_reads()  # hazard: freeing a slot the reader thread still writes
         if self.cuda:
             self.copy_stream.synchronize()  # hazard: freeing slots a prefetch is still writing
             # hazard: freeing buffers that queued kernels on the compute stream still read
@@ -73,8 +78,20 @@ class Transfers:
         if self.cuda:
             self.copy_stream.synchronize()
 
+    def wait_reads(self, buf: torch.Tensor | None = None) -> None:
+        """CPU: the host waits for the disk reads issued ahead (into ``buf``; None: all). A failed
+        one raises where its group is entered (``order_entry``), not here: its bytes are dropped."""
+        futs = ([f for fs in self._reading.values() for f in fs] if buf is None
+                else self._reading.get(buf.data_ptr(), []))
+        concurrent.futures.wait(futs)
+        if buf is None:
+            self._reading.clear()
+        else:
+            self._reading.pop(buf.data_ptr(), None)
+
     def order_after_copies(self) -> None:
         """The compute stream runs after every copy issued (no host wait; callers name the hazard)."""
+        self.wait_reads()  # CPU: a buffer freed after this is written by no read ahead
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -84,10 +101,15 @@ class Transfers:
         (from each unit's own host master) between one wait and one event, which every unit's
         copy shares. ``free``: the event recorded when the compute that last read ``buf`` was
         done (a slot's free event); the copy waits for it alone. None: for everything the compute
-        stream has queued so far."""
+        stream has queued so far. On CPU a disk-tier unit's read into ``buf`` is issued on the
+        reader thread and, where ``sync`` is false (a prefetch), not waited for here: the
+        group's ``DeviceCopy.ready`` holds it until the group is entered (``order_entry``)."""
         mem = self.memory
         t0 = time.perf_counter()
         out: dict[str, DeviceCopy] = {}
+        # hazard: a copy into a buffer the reader thread still writes (a read ahead never waited for)
+        self.wait_reads(buf)
+        self._ahead = not self.cuda and not sync
         masters = {n: self.masters.get(n) if n not in mem.resident_names else None for n in names}
         # host buffers are made here, before the copy stream is current (no stream owns them)
         bounces = {n: self.masters.bounce(n) if masters[n] is None and self.cuda else None for n in names}
@@ -114,9 +136,16 @@ class Transfers:
                     ev_start.record(self.copy_stream)
                 base = 0
                 self._staged_bytes = 0
-                for name in names:
-                    out[name] = self._copy_unit(name, buf, base, masters[name], bounces[name], compute)
-                    base += mem.layout(name).nbytes
+                try:
+                    for name in names:
+                        out[name] = self._copy_unit(name, buf, base, masters[name], bounces[name], compute)
+                        base += mem.layout(name).nbytes
+                finally:
+                    self._ahead = False
+                reading = self._reading.get(buf.data_ptr()) if not self.cuda else None
+                if reading:
+                    for dc in out.values():
+                        dc.ready = tuple(reading)
                 if self.cuda:
                     done = torch.cuda.Event(enable_timing=True)
                     done.record(self.copy_stream)
@@ -249,9 +278,13 @@ class Transfers:
         pool = disk.reader()
         st = self.stats
         if not self.cuda:
-            got = pool.submit(disk.read_into, buf[base:base + nbytes], reads).result()
+            fut = pool.submit(disk.read_into, buf[base:base + nbytes], reads)
             if st is not None:
-                st.disk_bytes_read += got
+                st.disk_bytes_read += sum(r[3] for r in reads)  # what read_into returns, or it raises
+            if self._ahead:  # the read stage: it runs beside compute until its group is entered
+                self._reading.setdefault(buf.data_ptr(), []).append(fut)
+            else:
+                fut.result()
             return
         piece = bounce.piece if bounce is not None else min(BOUNCE_PIECE, nbytes)
         pending: collections.deque = collections.deque()
@@ -308,8 +341,15 @@ class Transfers:
                 s.wait_event(ready)  # hazard: a host offload stream casting a weight not yet copied
 
     def order_entry(self, dc: DeviceCopy, group: dict[str, DeviceCopy]) -> None:
-        """Entering a prefetched unit: compute waits for its copy, once for the whole group."""
-        if self.cuda and dc.ready is not None:
+        """Entering a prefetched unit: compute waits for its copy, once for the whole group (on
+        CPU: the host waits for its disk reads issued ahead; a failed one raises here)."""
+        if not self.cuda and dc.ready is not None:
+            reads = dc.ready
+            for c in group.values():
+                c.ready = None
+            for fut in reads:
+                fut.result()  # the read stage's end: its group computes from here on
+        elif self.cuda and dc.ready is not None:
             ready = dc.ready
             # compute must not read the slot before its copy has landed
             if not ready.query():
