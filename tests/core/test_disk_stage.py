@@ -54,3 +54,58 @@ def test_cpu_a_disk_group_is_read_while_the_groups_before_it_compute(tmp_path, m
     # ahead of it were done (the next call's first group: read while the next call's first units
     # run); the last read is for a call that never comes (nothing computes after it)
     assert [ok for _, ok in log] == [True] * (len(log) - 1) + [False], log
+
+
+# -- the timeline's reader lane and the choice by time -----------------------------------------
+
+def test_the_reader_lane_hides_reads_shorter_than_the_compute_before_them_and_serialises_the_rest():
+    from vramcut_core.planning.timeline import Step, simulate
+
+    # three streamed groups, two slots, CPU (the read fills the slot; nothing else is copied):
+    # the read of a group is issued when the group two places before it is done, so a read of 1 s
+    # runs beside 2 s of compute: the step is the compute alone
+    hidden = simulate([Step(2, 0.0, read_s=1.0)] * 3, depth=1, overlap=False)
+    assert hidden.step_s == 6 and hidden.stall_s == 0
+    # reads of 3 s: the one reader runs them one after another, so a call takes three reads
+    lane = simulate([Step(2, 0.0, read_s=3.0)] * 3, depth=1, overlap=False)
+    assert abs(lane.step_s - 9) < 1e-9 and abs(lane.stall_s - 3) < 1e-9
+    # the copy engine fed by the reader (CUDA): the copy waits for the read, the group for both
+    fed = simulate([Step(2, 0.5, read_s=1.0)] * 3, depth=1, overlap=True)
+    assert fed.step_s == 6
+    # a group read when entered (looped) waits for its read whole
+    assert simulate([Step(2, 0.0, read_s=1.0, sync=True)] * 3, depth=1, overlap=False).step_s == 9
+
+
+def _timed_plan(computes, mib=100):
+    from vramcut_core.planning.plan import PlanUnit, build_plan
+    units = [PlanUnit(f"u{i}", mib << 20, 0, 0, compute_s=c) for i, c in enumerate(computes)]
+    return build_plan(units, 2 * (mib << 20) + 1)
+
+
+def test_ram_goes_to_the_units_whose_reads_compute_cannot_hide():
+    from vramcut_core.planning import timeline
+    from vramcut_core.planning.tiers import DISK, RAM, HostUnit, choose
+
+    # a read of 100 MiB takes about 0.1 s: behind a 1 s unit it is hidden, behind 0.01 s it is not
+    plan = _timed_plan([1.0, 1.0, 0.01, 0.01, 1.0, 1.0])
+    assert plan.slots == 2 and not plan.resident_units
+    host = {u.name: HostUnit(u.weight_bytes, u.weight_bytes) for u in plan.units}
+
+    def step_of(reads):
+        return timeline.predict(plan, 1e10, overlap=False, reads=reads, disk_bytes_per_s=1e9).step_s
+
+    roomy = 10 * (100 << 20)  # room for every unit
+    by_bytes = choose(plan, host, roomy, 0, 1e9)
+    by_time = choose(plan, host, roomy, 0, 1e9, step_of)
+    assert len(by_bytes.in_ram) == 6, "without the timeline every unit that fits goes to RAM"
+    assert 0 < len(by_time.in_ram) < 6 and by_time.disk_units, (by_time.in_ram, by_time.disk_units)
+    # as fast as with every unit in RAM (on CPU faster: a read fills the slot on the reader
+    # thread, a copy from RAM is the host's own time), with less RAM
+    assert by_time.predicted_step_s <= step_of({}) + 1e-9
+    assert by_time.predicted_step_s < step_of({n: 100 << 20 for n in host}), "RAM where reads were not hidden"
+    assert by_time.ram_bytes < by_bytes.ram_bytes
+    # each unit left on disk is one the compute hides: taking it to RAM would not be faster
+    for n in by_time.disk_units:
+        rest = {k: 100 << 20 for k in by_time.disk_units if k != n}
+        assert step_of(rest) >= by_time.predicted_step_s - 1e-9
+    assert {by_time.of(n) for n in ("u0", "u1", "u2", "u3", "u4", "u5")} <= {RAM, DISK}

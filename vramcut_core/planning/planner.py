@@ -225,8 +225,20 @@ class UnitPlanner:
             return plan
         host = {u.name: self.host.host_unit(u.name) for u in plan.units}
         bounce = self.host.bounce_bytes(host)
-        return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce,
-                                                          self.host.disk_rate(list(host))))
+        rate = self.host.disk_rate(list(host))
+        return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce, rate,
+                                                          self._step_of(plan, rate)))
+
+    def _step_of(self, plan: Plan, disk_bytes_per_s: float | None):
+        """The predicted step with given units on disk (``tiers.choose``'s ``step_of``), where the
+        executor reads ahead beside compute (CPU: ``speed.overlaps`` false) and the plan is timed;
+        else None (on CUDA a read is not hidden yet: the choice is by bytes)."""
+        bps = self.figures.bytes_per_s(self.config)
+        if plan.time is None or not disk_bytes_per_s or not bps or speed.overlaps(self.config):
+            return None
+        lat = self.figures.latency_s(self.config)
+        return lambda reads: timeline.predict(plan, bps, overlap=False, session=True, latency_s=lat, reads=reads,
+                                              disk_bytes_per_s=disk_bytes_per_s).step_s
 
     def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str,
                        measured: dict[str, float] | None, budget: int) -> Plan:

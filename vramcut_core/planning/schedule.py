@@ -21,12 +21,14 @@ order (``Copy``), and what each unit's entry does:
   first call, a skipped or repeated block) is copied then (``issue``: the prefetch made at an
   entry when the next group is not already on its way).
 
-A stage before a copy (``Copy.stage``) is where a lower tier plugs in: a read from disk into the
-page-locked bounce buffer, on its own reader, feeding the copy stream (a disk read is one more
-engine feeding it). The tier names the stage on the copies it feeds (``with_stages``); the
-executor runs the read before ``Transfers.load`` issues the copy; the timeline gives the stage a
-lane of its own that the copy then waits for (to be built with the first tier: today no copy has
-a stage, and ``timeline._run`` has no such lane yet).
+A stage before a copy (``Copy.stage``) is where a lower tier plugs in: a read from disk, on the
+process's one reader thread, feeding the copy (a disk read is one more engine feeding it). The
+tier names the stage on the copies it feeds (``with_stages``). The read is issued with its copy,
+when its slot frees: on CPU it fills the slot itself and runs beside the compute before its
+group, whose entry waits for it (``runtime.read_stage``); on CUDA it goes through the page-locked
+bounce buffer and the host waits for it as it issues the copy (not yet ahead). The timeline gives
+the stage its lane (``timeline.Step.read_s``: one read at a time, from when the slot frees), which
+the copy, or on CPU the group, waits for.
 """
 from __future__ import annotations
 

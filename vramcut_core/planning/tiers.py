@@ -12,17 +12,21 @@ tensors), and on CUDA the bounce buffer when anything is read from disk. Staging
 made under a RAM budget (a master that cannot be page-locked is copied synchronously). The page
 cache of the files counts nothing: the pack never touches nor locks those pages.
 
-The choice: every streamed unit starts on disk; units move to RAM by the time their reads cost
-per call (all their passes) per byte of RAM, most first, while the budget holds. Reads are made
-by the host thread's reader when a copy is issued, so a read is not hidden behind compute: every
-byte read costs its time at the disk's rate, and the predicted step is the plan's plus the
-reads. A budget below what one call needs (the units that must stay in RAM and the bounce
-buffer) is refused with the smallest ``max_ram_gb`` that works.
+The choice: every streamed unit starts on disk; units are taken for RAM by the time their reads
+cost per call (all their passes) per byte of RAM, most first, while the budget holds. Where the
+executor reads ahead (CPU: a disk group's read is the stage before it, issued when its slot
+frees, on the reader thread beside compute) the choice is by the timeline (``step_of``: the
+predicted step with the given units on disk, ``timeline.predict``'s reader lane): a unit goes to
+RAM only where that makes the step shorter, so the units whose reads the compute hides stay on
+disk and their RAM stays free. On CUDA a read is made when its copy is issued, by the host
+thread, so it is not hidden: every byte read costs its time at the disk's rate, and the
+predicted step is the plan's plus the reads. A budget below what one call needs (the units that
+must stay in RAM and the bounce buffer) is refused with the smallest ``max_ram_gb`` that works.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .budget import BudgetError, budget_gib, gib_text, need_gib
 from .plan import Plan
@@ -54,6 +58,7 @@ class Tiers:
     disk_bytes_per_s: float | None = None   # the disk's read rate the choice used (cold reads)
     min_ram_bytes: int = 0                  # the smallest budget that works
     disk_bytes: int = 0                     # host copies left in their files (resident units' too)
+    predicted_step_s: float | None = None   # the timeline's step with these reads (where it times them)
 
     @property
     def host_bytes(self) -> int:
@@ -85,10 +90,13 @@ def bounce_for(host: Mapping[str, HostUnit], piece: int, pieces: int) -> int:
 
 
 def choose(plan: Plan, host: Mapping[str, HostUnit], ram_budget: int, bounce_bytes: int,
-           disk_bytes_per_s: float | None = None) -> Tiers:
+           disk_bytes_per_s: float | None = None,
+           step_of: Callable[[Mapping[str, int]], float] | None = None) -> Tiers:
     """The tiers of ``plan``'s units under ``ram_budget`` bytes; ``bounce_bytes`` the bounce
-    buffer a disk read needs (0 on CPU). Raises ``RamBudgetError`` with the smallest budget that
-    works when even every fileable unit on disk does not fit."""
+    buffer a disk read needs (0 on CPU); ``step_of``: the predicted step with the given units
+    (name -> bytes read per pass) on disk, where the executor reads ahead (see the module
+    docstring). Raises ``RamBudgetError`` with the smallest budget that works when even every
+    fileable unit on disk does not fit."""
     resident = set(plan.resident_units)
     order = [u.name for u in plan.units]
     units = {u.name: u for u in plan.units}
@@ -102,10 +110,14 @@ def choose(plan: Plan, host: Mapping[str, HostUnit], ram_budget: int, bounce_byt
                    key=lambda n: (-units[n].calls * host[n].read_bytes / max(1, host[n].ram_bytes),
                                   -host[n].ram_bytes, order.index(n)))
     ram: set[str] = set()
-    for n in cands:
-        if host[n].ram_bytes <= room:
-            ram.add(n)
-            room -= host[n].ram_bytes
+    step = None
+    if step_of is None:
+        for n in cands:
+            if host[n].ram_bytes <= room:
+                ram.add(n)
+                room -= host[n].ram_bytes
+    else:
+        ram, room, step = _by_time(cands, host, room, step_of)
     tier = []
     for n in order:
         tier.append((n, DEVICE if n in resident else RAM if (n in ram or not host[n].fileable) else DISK))
@@ -115,7 +127,31 @@ def choose(plan: Plan, host: Mapping[str, HostUnit], ram_budget: int, bounce_byt
     res_disk = sum(host[n].read_bytes for n in order if n in resident and host[n].fileable)
     return Tiers(ram_budget, tuple(tier), in_ram, sum(host[n].ram_bytes for n in in_ram),
                  bounce_bytes if (disk or res_disk) else 0, per_call, res_disk, disk_bytes_per_s, need,
-                 sum(host[n].read_bytes for n in order if n not in in_ram))
+                 sum(host[n].read_bytes for n in order if n not in in_ram), step)
+
+
+def _by_time(cands: list[str], host: Mapping[str, HostUnit], room: int,
+             step_of: Callable[[Mapping[str, int]], float]) -> tuple[set[str], int, float]:
+    """The units of ``cands`` (in their order) that go to RAM within ``room`` bytes: each one that
+    makes the predicted step shorter (its reads were not hidden), passes repeated while one
+    does; (those units, the room left, the step predicted)."""
+    disk = {n: host[n].read_bytes for n in cands}
+    step = step_of(disk)
+    ram: set[str] = set()
+    for _ in range(3):  # a unit's read may start to count once others left the reader's lane
+        moved = False
+        for n in cands:
+            if n in ram or host[n].ram_bytes > room:
+                continue
+            trial = {k: v for k, v in disk.items() if k != n}
+            t = step_of(trial)
+            if t < step * (1 - 1e-9):
+                ram.add(n)
+                room -= host[n].ram_bytes
+                disk, step, moved = trial, t, True
+        if not moved:
+            break
+    return ram, room, step
 
 
 def ram_budget_error(budget: int, need: int) -> RamBudgetError:
@@ -135,8 +171,8 @@ def tiers_to_json(t: Tiers | None, plan: Plan | None = None) -> dict | None:
     counts = {DEVICE: 0, RAM: 0, DISK: 0}
     for _, k in t.tier:
         counts[k] += 1
-    step = None
-    if plan is not None and plan.time is not None and t.disk_s_per_call is not None:
+    step = t.predicted_step_s  # the timeline's, reads ahead beside compute
+    if step is None and plan is not None and plan.time is not None and t.disk_s_per_call is not None:
         step = plan.time.predicted_s + t.disk_s_per_call  # reads are not hidden (see the module docstring)
     return {
         "ram_budget_bytes": t.ram_budget_bytes,

@@ -6,8 +6,10 @@ throughput measured on this machine (``bandwidth.matmul_throughput``), or from a
 it is kept on the plan's rows (``PlanUnit.compute_s``).
 
 ``simulate`` is the timeline model: given the segments in execution order (``Step``: compute
-time, copy time of a streamed segment, device) and the prefetch depth, the predicted step time
-and each segment's stall, the part of its copy that the compute before it did not hide.
+time, copy time of a streamed segment, read time of its disk-tier units, device) and the
+prefetch depth, the predicted step time and each segment's stall, the part of its copy (and
+read) that the compute before it did not hide. A disk read is one more lane: the process's one
+reader thread, feeding the copy (``Step.read_s``).
 ``predict(plan, bytes_per_s)`` applies it to a plan. The one rule: no figure here is assumed;
 times come from a count over a measured throughput, or from a measurement.
 """
@@ -45,7 +47,8 @@ class Step:
     previous segment's (0 on one device); ``sync`` marks a copy made when the segment is entered
     instead of prefetched (a segment a forward enters several times); ``after`` the place, among
     the streamed steps of its device, of the one whose slot its copy takes (None: ``depth + 1``
-    places before it)."""
+    places before it); ``read_s`` the seconds its disk-tier units take to read from their files
+    (bytes / the disk's read rate), the stage before its copy."""
 
     compute_s: float
     copy_s: float | None = None
@@ -53,6 +56,7 @@ class Step:
     hop_s: float = 0.0
     sync: bool = False
     after: int | None = None  # ``schedule.Copy.after``: the streamed step whose slot its copy takes
+    read_s: float | None = None  # its disk-tier units' reads (the read stage before its copy), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,11 @@ def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: boo
       device, as the first of a session does: its resident segments are copied first (``load``:
       seconds per device; compute waits for them), then its first streamed segment; the call
       ends when its copies have too (the buffers are released).
+    * A step with ``read_s`` (disk-tier units) has a read stage on the reader lane, one for the
+      process, reads one after another in the order they are issued: a read is issued when its
+      slot frees (as its copy is), so it runs beside the compute before the step, and the step's
+      copy (``overlap``: on the copy stream) or, on CPU where the read fills the slot itself, the
+      step waits for it. A ``sync`` step reads when entered, whole, as it copies.
 
     Forwards are simulated until one starts with the copy streams and slots as the one before
     started (it does within a few: then that forward repeats forever) and that one is returned;
@@ -111,9 +120,10 @@ def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: boo
     lists = ([s.compute_s for s in steps], [s.copy_s for s in steps], [s.device for s in steps],
              [s.hop_s for s in steps], [s.sync for s in steps], slots, overlap)
     after = [s.after for s in steps]
-    first_s, step_s, stalls, copied = _run(*lists, session, load, after=after)
+    read = [s.read_s for s in steps] if any(s.read_s is not None for s in steps) else None
+    first_s, step_s, stalls, copied = _run(*lists, session, load, after=after, read=read)
     if session:
-        first_s = _run(*lists, True, load, calls=1, after=after)[0]
+        first_s = _run(*lists, True, load, calls=1, after=after, read=read)[0]
     return Timeline(step_s, stalls, copied, sum(s.compute_s for s in steps), sum(s.hop_s for s in steps), first_s)
 
 
@@ -136,11 +146,13 @@ def first_call(compute: Sequence[float], copy: Sequence[float | None], device: S
     return _run(compute, copy, device, hop, sync, slots, overlap, True, load, calls=1)[0]
 
 
-def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls: int = _MAX_STEPS, after=None):
+def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls: int = _MAX_STEPS, after=None,
+         read=None):
     """(first call's seconds, steady call's seconds, its stalls, copied): calls simulated until one
     starts as the one before started (see ``simulate``), at most ``calls``. ``after[i]``: for a
     streamed step, the place (among its device's streamed steps) of the one whose slot its copy
-    takes (``schedule.Copy.after``); None: ``slots`` places before it, cyclically."""
+    takes (``schedule.Copy.after``); None: ``slots`` places before it, cyclically. ``read[i]``:
+    a streamed step's read stage (seconds on the one reader lane), or None."""
     n = len(compute)
     devices = set(device)
     load = load or {}
@@ -160,6 +172,7 @@ def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls:
     # per device: when its copy stream is free, and when each of its streamed steps last finished
     # computing (its slot's free event: the next copy into that slot waits for it alone)
     copy_free = {d: 0.0 for d in devices}
+    disk_free = 0.0  # when the reader lane is free (one for the process)
     done: dict[int, list[float]] = {d: [0.0] * count[d] for d in devices}
     end = 0.0
     first_s = None
@@ -177,6 +190,7 @@ def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls:
         # a forward is fixed by the copy streams and slots as they stand when it starts (relative
         # to its start): when they stand as they did one forward ago, that forward repeats forever
         now = tuple(round(t - start, 12) for d in sorted(devices) for t in [copy_free[d], *done[d]])
+        now += (round(max(disk_free - start, 0.0), 12),)
         if now == state and not fresh:
             return first_s, step_s, tuple(stalls), copied
         state = None if fresh else now  # (a fresh call is no steady one)
@@ -187,13 +201,20 @@ def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls:
             ready = end + hop[i]
             if ready < gate[d]:
                 ready = gate[d]
+            rd = read[i] if read is not None and moved[i] else None
+            read_end = 0.0
+            if rd is not None and not sync[i]:  # the read stage: issued as its slot frees
+                read_end = disk_free = max(disk_free, done[d][frees[i]]) + rd
             if not moved[i]:
                 begin = ready
             elif waits[i]:
-                begin = max(ready, copy_free[d]) + copy[i]
+                at = max(ready, copy_free[d])
+                if rd is not None and sync[i]:  # read when entered, then copied
+                    read_end = disk_free = max(at, disk_free) + rd
+                begin = max(at, read_end) + copy[i] if overlap or sync[i] else max(at + copy[i], read_end)
                 copy_free[d] = begin
             else:
-                copy_start = max(copy_free[d], done[d][frees[i]])
+                copy_start = max(copy_free[d], done[d][frees[i]], read_end)
                 copy_end = copy_start + copy[i]
                 copy_free[d] = copy_end
                 begin = ready if ready > copy_end else copy_end
@@ -214,15 +235,23 @@ def known(units: Sequence[PlanUnit]) -> bool:
     return all(u.compute_s is not None for u in units if u.entered)
 
 
-def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0, latency_s: float = 0.0) -> list[Step]:
+def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0, latency_s: float = 0.0,
+               reads: Mapping[str, int] | None = None, disk_bytes_per_s: float | None = None,
+               read_copied: bool = True) -> list[Step]:
     """The steps of ``plan``'s segments a forward enters: their units' compute time (all passes)
     and, for a streamed segment, its bytes per forward over ``bytes_per_s`` plus ``latency_s`` per
     copy (one per unit and pass: each unit is copied from its own host master). A segment entered
-    several times (a looped unit: a segment of its own) is copied on each entry, not prefetched."""
+    several times (a looped unit: a segment of its own) is copied on each entry, not prefetched.
+    ``reads``: the bytes one pass reads of each disk-tier unit, at ``disk_bytes_per_s``: the
+    segment's read stage (``Step.read_s``); ``read_copied`` False where the read fills the slot
+    itself (CPU): those units then copy nothing."""
     if not known(plan.units):
         raise ValueError("the plan's units have no compute times (PlanUnit.compute_s)")
     if not bytes_per_s or bytes_per_s <= 0:
         raise ValueError(f"bytes_per_s must be a positive rate, got {bytes_per_s!r}")
+    reads = reads or {}
+    if reads and (not disk_bytes_per_s or disk_bytes_per_s <= 0):
+        raise ValueError(f"disk_bytes_per_s must be a positive rate, got {disk_bytes_per_s!r}")
     copies = iter(schedule_of(plan).copies)  # the streamed segments entered, in order
     out = []
     for seg in plan.segments:
@@ -234,8 +263,11 @@ def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0, latency_s: float
             out.append(Step(compute, None, device))
             continue
         c = next(copies)
-        copy = sum(u.weight_bytes * u.calls / bytes_per_s + latency_s * u.calls for u in us)
-        out.append(Step(compute, copy, device, sync=c.on_entry, after=c.after))
+        copy = sum(u.weight_bytes * u.calls / bytes_per_s + latency_s * u.calls for u in us
+                   if read_copied or u.name not in reads)
+        on_disk = [u for u in us if u.name in reads]
+        read = sum(reads[u.name] * u.calls for u in on_disk) / disk_bytes_per_s if on_disk else None
+        out.append(Step(compute, copy, device, sync=c.on_entry, after=c.after, read_s=read))
     return out
 
 
@@ -247,9 +279,12 @@ def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0) -> floa
 
 
 def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
-            latency_s: float = 0.0) -> Timeline:
+            latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
+            disk_bytes_per_s: float | None = None) -> Timeline:
     """The steady step time ``plan`` predicts, and its first call's: its segments through
     ``simulate`` with its slots (two: prefetch depth 1; one: depth 0). ``overlap`` False for CPU
-    (copies synchronous); ``latency_s`` the fixed cost of one copy."""
-    return simulate(plan_steps(plan, bytes_per_s, latency_s=latency_s), max(plan.slots - 1, 0), overlap, session,
-                    {0: load_seconds(plan, bytes_per_s, latency_s)})
+    (copies synchronous; a disk read fills the slot itself); ``latency_s`` the fixed cost of one
+    copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s``."""
+    steps = plan_steps(plan, bytes_per_s, latency_s=latency_s, reads=reads, disk_bytes_per_s=disk_bytes_per_s,
+                       read_copied=overlap)
+    return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: load_seconds(plan, bytes_per_s, latency_s)})

@@ -15,12 +15,10 @@ same copies first); both stay: on a GPU kernels queue, and masters can outlive t
 finalizer blocks the host only while a copy is in flight (test_sim_switch.py checks both ways):
 collection may run it inside another engine's step.
 May call torch, ``device_memory`` (to count subclass bytes), ``host_memory`` (masters to copy
-from), ``disk`` (disk-tier reads) and ``binding`` (where a tensor's master is).
+from), ``read_stage`` (disk-tier reads) and ``binding`` (where a tensor's master is).
 """
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import time
 import weakref
@@ -32,10 +30,10 @@ from ..model import quant
 from ..planning.plan import Plan
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
-from . import disk, host_memory
-from .host_memory import (BOUNCE_PIECE, PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size,
+from .host_memory import (PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size,
                           masters_holding, staged)
 from .layout import quant_views, view
+from .read_stage import ReadStage
 
 
 class Transfers:
@@ -53,10 +51,7 @@ class Transfers:
         # is issued (``schedule_walk``)
         self.stats = None
         self._staged_bytes = 0                          # page-locked staging of the transfer being issued
-        # CPU: disk reads issued ahead into a buffer (a slot), by the buffer's address, not yet
-        # waited for; ``_ahead`` while a prefetch (``load(sync=False)``) is issued
-        self._reading: dict[int, list[concurrent.futures.Future]] = {}
-        self._ahead = False
+        self.reads = ReadStage(self.cuda, self.copy_stream)  # disk-tier units' reads
         # Other streams that read the weights while they are swapped in (the host's offload
         # streams, ``HostHooks.reader_streams``): each waits on the same copy events as the
         # compute stream.
@@ -67,7 +62,7 @@ class Transfers:
 
     def drain(self) -> None:
         """Before the device buffers are freed: every copy and every queued kernel has finished."""
-        self.wait_reads()  # hazard: freeing a slot the reader thread still writes
+        self.reads.wait()  # hazard: freeing a slot the reader thread still writes
         if self.cuda:
             self.copy_stream.synchronize()  # hazard: freeing slots a prefetch is still writing
             # hazard: freeing buffers that queued kernels on the compute stream still read
@@ -78,20 +73,9 @@ class Transfers:
         if self.cuda:
             self.copy_stream.synchronize()
 
-    def wait_reads(self, buf: torch.Tensor | None = None) -> None:
-        """CPU: the host waits for the disk reads issued ahead (into ``buf``; None: all). A failed
-        one raises where its group is entered (``order_entry``), not here: its bytes are dropped."""
-        futs = ([f for fs in self._reading.values() for f in fs] if buf is None
-                else self._reading.get(buf.data_ptr(), []))
-        concurrent.futures.wait(futs)
-        if buf is None:
-            self._reading.clear()
-        else:
-            self._reading.pop(buf.data_ptr(), None)
-
     def order_after_copies(self) -> None:
         """The compute stream runs after every copy issued (no host wait; callers name the hazard)."""
-        self.wait_reads()  # CPU: a buffer freed after this is written by no read ahead
+        self.reads.wait()  # CPU: a buffer freed after this is written by no read ahead
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -108,8 +92,8 @@ class Transfers:
         t0 = time.perf_counter()
         out: dict[str, DeviceCopy] = {}
         # hazard: a copy into a buffer the reader thread still writes (a read ahead never waited for)
-        self.wait_reads(buf)
-        self._ahead = not self.cuda and not sync
+        self.reads.wait(buf)
+        self.reads.ahead = not self.cuda and not sync
         masters = {n: self.masters.get(n) if n not in mem.resident_names else None for n in names}
         # host buffers are made here, before the copy stream is current (no stream owns them)
         bounces = {n: self.masters.bounce(n) if masters[n] is None and self.cuda else None for n in names}
@@ -141,11 +125,11 @@ class Transfers:
                         out[name] = self._copy_unit(name, buf, base, masters[name], bounces[name], compute)
                         base += mem.layout(name).nbytes
                 finally:
-                    self._ahead = False
-                reading = self._reading.get(buf.data_ptr()) if not self.cuda else None
+                    self.reads.ahead = False
+                reading = self.reads.into(buf)
                 if reading:
                     for dc in out.values():
-                        dc.ready = tuple(reading)
+                        dc.ready = reading
                 if self.cuda:
                     done = torch.cuda.Event(enable_timing=True)
                     done.record(self.copy_stream)
@@ -204,7 +188,7 @@ class Transfers:
         reads = self.masters.tiers.reads(name) if master is None else None  # a disk-tier unit
         whole = reads is not None or bounce is not None or (master is not None and lay.nbytes)  # one flat copy
         if reads is not None:
-            self._read_disk(buf, base, lay.nbytes, bounce, reads)
+            self.reads.read(buf, base, lay.nbytes, bounce, reads, self.stats)
         elif bounce is not None:
             self._through_bounce(name, buf, base, bounce, compute)
         elif whole:
@@ -266,54 +250,6 @@ class Transfers:
             done = torch.cuda.Event()
             done.record(self.copy_stream)
             bounce.read_by(k, self.copy_stream, done)
-
-    def _read_disk(self, buf: torch.Tensor, base: int, nbytes: int, bounce: BounceBuffer | None,
-                   reads: list) -> None:
-        """Fill ``buf`` from byte ``base`` with a disk-tier unit's bytes, read from its files on the
-        reader thread (``disk.reader``; ``preadv`` releases the GIL): on CPU straight into the
-        buffer; on CUDA piece by piece into the page-locked bounce buffer, the read of the next
-        piece running while the copy of this one is issued (a piece is refilled only after its
-        copy: ``BounceBuffer.take``). Without a page-locked bounce buffer each piece is read into
-        pageable memory and copied synchronously, on purpose."""
-        pool = disk.reader()
-        st = self.stats
-        if not self.cuda:
-            fut = pool.submit(disk.read_into, buf[base:base + nbytes], reads)
-            if st is not None:
-                st.disk_bytes_read += sum(r[3] for r in reads)  # what read_into returns, or it raises
-            if self._ahead:  # the read stage: it runs beside compute until its group is entered
-                self._reading.setdefault(buf.data_ptr(), []).append(fut)
-            else:
-                fut.result()
-            return
-        piece = bounce.piece if bounce is not None else min(BOUNCE_PIECE, nbytes)
-        pending: collections.deque = collections.deque()
-
-        def issue() -> None:
-            fut, src, k, lo, hi = pending.popleft()
-            got = fut.result()  # the host waits for the read itself
-            if st is not None:
-                st.disk_bytes_read += got
-            buf[base + lo:base + hi].copy_(src[:hi - lo], non_blocking=bounce is not None)
-            if bounce is not None:
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-                bounce.read_by(k, self.copy_stream, done)
-
-        try:
-            for lo in range(0, nbytes, piece):
-                hi = min(lo + piece, nbytes)
-                if bounce is not None and len(pending) == len(bounce.bufs):
-                    issue()  # before its piece is taken again
-                src, k = bounce.take() if bounce is not None else (host_memory._host_buffer(piece), -1)
-                pending.append((pool.submit(disk.read_into, src, disk.clip(reads, lo, hi)), src, k, lo, hi))
-                if bounce is None:
-                    issue()
-            while pending:
-                issue()
-        finally:
-            for fut, *_ in pending:  # a read failed: the others finish before their pieces are reused
-                concurrent.futures.wait([fut])
 
     def _source(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """What a copy of one host tensor reads, and whether it may be asynchronous: on CUDA,
