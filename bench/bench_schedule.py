@@ -15,6 +15,13 @@ its plan's prediction. Then the plans of tests/core/test_sim_schedule.py (stacks
 each streamed or resident, one or two slots, in a session or not, three link speeds): the worst
 error of the steady call and of a session's first call over ``RANDOM`` random plans. Not a GPU:
 it checks the model against the executor's schedule, not against a device.
+
+Then the disk read stage, on CPU (the simulated accelerator has no disk): stacks of blocks whose
+weights are mapped from a checkpoint, read each call under a RAM budget on the real reader
+thread, the reads throttled to ``DISK_BPS`` (the figure the planner is given for the disk) and
+each block's compute a matrix product plus a sleep (a kernel that holds no GIL): the engine's
+steady call (wall time) against its plan's predicted step with the reads
+(``Tiers.predicted_step_s``: the timeline's reader lane, the RAM tier chosen by it).
 ``--doc`` rewrites the generated section of docs/measurements.md (stamped: bench/docgen.py).
 """
 from __future__ import annotations
@@ -100,6 +107,86 @@ def random_rows(sim) -> list[str]:
             f"worst |error| {worst_first:.3%}"]
 
 
+DISK_BPS = 140e6                     # the throttled disk: a 4 MiB block reads in about 30 ms
+DISK_ROWS = (  # (compute seconds per block, budget as a share of the weights, RAM budget bytes)
+    ((0.02,) * 8, 0.45, 1 << 20),
+    ((0.04,) * 8, 0.45, 1 << 20),
+    ((0.03, 0.01) * 4, 0.3, 1 << 20),
+    ((0.03, 0.01) * 4, 0.3, 12 << 20),
+)
+
+
+def disk_rows() -> list[str]:
+    import tempfile
+    import time
+
+    import torch
+    from torch import nn
+
+    import toys
+    from vramcut_core import Engine, EngineConfig
+    from vramcut_core.figures import bandwidth
+    from vramcut_core.runtime import disk
+
+    class SleepBlock(nn.Module):
+        def __init__(self, c: float) -> None:
+            super().__init__()
+            self.lin, self.c = nn.Linear(1024, 1024), c
+
+        def forward(self, x):
+            time.sleep(self.c)
+            return self.lin(x)
+
+    class SleepStack(nn.Module):
+        def __init__(self, cs) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(SleepBlock(c) for c in cs)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    real = disk.read_into
+
+    def throttled(dest, reads):
+        t0 = time.perf_counter()
+        n = real(dest, reads)
+        time.sleep(max(0.0, n / DISK_BPS - (time.perf_counter() - t0)))
+        return n
+
+    out = []
+    import pytest
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setenv(disk.CACHE_ENV, os.path.join(tmp, "cache"))
+        mp.setattr(disk, "read_into", throttled)
+        mp.setattr(bandwidth, "disk_read", lambda path: {"cold_bytes_per_s": DISK_BPS, "cached_bytes_per_s": DISK_BPS,
+                                                          "device": None, "source": "throttled"})
+        for k, (cs, share, ram) in enumerate(DISK_ROWS):
+            torch.manual_seed(k)
+            model = toys.map_from_file(SleepStack(cs), tempfile.mkdtemp(dir=tmp))
+            x = torch.randn(1, 1024)
+            with torch.no_grad():
+                ref = model(x)
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            eng = Engine(model, EngineConfig(budget_bytes=int(weights * share), device="cpu", ram_budget_bytes=ram,
+                                             speed="time", bandwidth_bytes_per_s=5e9, flops_per_s=1e9))
+            with torch.no_grad(), eng.session():
+                for _ in range(3):
+                    assert torch.equal(eng.run(model, x), ref)
+                eng.reset_stats()
+                for _ in range(4):
+                    assert torch.equal(eng.run(model, x), ref)
+            plan, t = eng.last_plan, eng.last_plan.tiers
+            measured, pred = eng.steady_stats.s_per_forward, t.predicted_step_s
+            out.append(f"disk, CPU  compute {'/'.join(f'{c * 1e3:.0f}' for c in sorted(set(cs)))} ms a block, "
+                       f"RAM {ram >> 20:2d} MiB: measured {measured * 1e3:8.3f} ms, predicted {pred * 1e3:8.3f} ms, "
+                       f"error {pred / measured - 1:+6.2%}  ({len(t.disk_units)} units read from disk, "
+                       f"{len(t.in_ram)} in RAM, {len(plan.resident_units)} resident, {plan.slots} slots)")
+            del eng, model
+    return out
+
+
 def run() -> list[str]:
     import pytest
 
@@ -113,7 +200,7 @@ def run() -> list[str]:
         out += random_rows(sim)
         if sim.hazards:
             out.append(f"HAZARDS: {sim.hazards[:3]}")
-    return out
+    return out + disk_rows()
 
 
 def main(argv=None) -> int:
