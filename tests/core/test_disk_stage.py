@@ -109,3 +109,27 @@ def test_ram_goes_to_the_units_whose_reads_compute_cannot_hide():
         rest = {k: 100 << 20 for k in by_time.disk_units if k != n}
         assert step_of(rest) >= by_time.predicted_step_s - 1e-9
     assert {by_time.of(n) for n in ("u0", "u1", "u2", "u3", "u4", "u5")} <= {RAM, DISK}
+
+
+def test_the_cpu_engine_chooses_its_tiers_by_the_timeline_and_says_the_step_with_reads(tmp_path, monkeypatch):
+    from vramcut_core.figures import bandwidth
+    from vramcut_core.planning import timeline
+    from vramcut_core.planning.tiers import tiers_to_json
+
+    rate = 1e8
+    monkeypatch.setattr(bandwidth, "disk_read", lambda path: {"cold_bytes_per_s": rate, "cached_bytes_per_s": rate,
+                                                              "device": None, "source": "test"})
+    model = mapped(lambda: TransformerStack(d=64), tmp_path)
+    ref = reference()
+    eng = cpu_engine(model, 40_000, speed="time", flops_per_s=1e9, bandwidth_bytes_per_s=5e9)
+    with torch.no_grad(), eng.session():  # the last: a steady call of the timed plan
+        outs = [eng.run(model, ids()) for _ in range(4)]
+    assert all(torch.equal(o, ref) for o in outs)
+    plan, t = eng.last_plan, eng.last_plan.tiers
+    assert plan.time is not None and t.disk_units and t.predicted_step_s is not None
+    host = eng.executor.masters.tiers
+    reads = {n: host.host_unit(n).read_bytes for n in t.disk_units}
+    assert t.predicted_step_s == timeline.predict(plan, 5e9, overlap=False, reads=reads,
+                                                  disk_bytes_per_s=rate).step_s
+    assert tiers_to_json(t, plan)["predicted_step_s"] == t.predicted_step_s
+    assert eng.last_stats.disk_bytes_read == t.disk_bytes_per_call
