@@ -9,6 +9,7 @@ import threading
 import torch
 
 from test_tiers import _cache_dir, cpu_engine, reference  # noqa: F401 (the cache dir fixture)
+from test_sim_cuda import sim  # noqa: F401 (the simulated accelerator fixture)
 from test_file_backed import mapped
 from test_executor import ids
 from toys import TransformerStack
@@ -133,3 +134,37 @@ def test_the_cpu_engine_chooses_its_tiers_by_the_timeline_and_says_the_step_with
                                                   disk_bytes_per_s=rate).step_s
     assert tiers_to_json(t, plan)["predicted_step_s"] == t.predicted_step_s
     assert eng.last_stats.disk_bytes_read == t.disk_bytes_per_call
+
+
+def test_sim_a_failed_read_through_the_bounce_buffer_names_the_file_and_it_runs_again(sim, monkeypatch, tmp_path):
+    import errno
+    import os
+
+    import pytest
+
+    from test_file_backed import _fresh_ledger, sim_budget
+    from test_sim_cuda import cuda_engine
+    from vramcut_core.runtime import host_memory as hm
+
+    monkeypatch.setattr(hm, "BOUNCE_PIECE", 4096)  # several pieces per unit: reads in flight when one fails
+    with sim.host_memory():
+        model = mapped(lambda: TransformerStack(d=64), tmp_path)
+        ref = reference()
+    budget = sim_budget(sim, lambda: TransformerStack(d=64), ids())
+    _fresh_ledger(monkeypatch)
+    eng = cuda_engine(model, budget, ram_budget_bytes=100_000)
+    with torch.no_grad():
+        assert torch.equal(eng.run(model, ids()), ref)
+    real = os.preadv
+
+    def broken(fd, bufs, off):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", broken)
+    with pytest.raises(disk.DiskTierError) as e, torch.no_grad():
+        eng.run(model, ids())
+    assert str(tmp_path / "model.safetensors") in str(e.value) and "Input/output error" in str(e.value)
+    monkeypatch.setattr(os, "preadv", real)
+    with torch.no_grad():
+        assert torch.equal(eng.run(model, ids()), ref)
+    assert eng.last_plan.tiers.disk_units

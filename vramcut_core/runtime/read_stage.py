@@ -66,7 +66,13 @@ class ReadStage:
                 self.pending.setdefault(buf.data_ptr(), []).append(fut)
             else:
                 fut.result()
-            return
+        else:
+            self._read_cuda(pool, buf, base, nbytes, bounce, reads, st)
+
+    def _read_cuda(self, pool, buf: torch.Tensor, base: int, nbytes: int, bounce: BounceBuffer | None,
+                   reads: list, st) -> None:
+        """CUDA: the reads piece by piece through the bounce buffer, each piece's copy issued as
+        its read is back (see ``read``)."""
         piece = bounce.piece if bounce is not None else min(BOUNCE_PIECE, nbytes)
         pending: collections.deque = collections.deque()
 
