@@ -246,6 +246,15 @@ class SegmentedExecutor:
         self._stale_copies = False
         self.memory.clear()
 
+    def rest(self) -> None:
+        """Between runs: the module whole again (held weights pointed back at their masters, no
+        hooks on it); the device buffers and the copies in them stay for the next forward, which
+        installs its hooks again and copies nothing it still holds."""
+        if self._running:
+            raise RuntimeError("cannot rest while a forward runs")
+        self.binding.drop_held()
+        self.hooks.remove()
+
     def invalidate(self) -> None:
         """The host writes (or wrote) into the weights in place (hook LoRAs): device copies held
         between forwards are stale; the next forward copies them again. Called before the write,
