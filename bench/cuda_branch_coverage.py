@@ -33,7 +33,7 @@ FILES = sorted(os.path.relpath(p, ROOT).replace(os.sep, "/")
 TESTS = ["tests/core/test_sim_cuda.py", "tests/core/test_executor.py", "tests/core/test_sim_kitchen.py",
          "tests/core/test_sim_switch.py", "tests/core/test_sim_devices.py", "tests/core/test_sim_host_memory.py",
          "tests/core/test_sim_measure_cap.py", "tests/core/test_file_backed.py",
-         "tests/core/test_sim_timing.py", "tests/core/test_tiers.py"]
+         "tests/core/test_sim_timing.py", "tests/core/test_sim_probes.py", "tests/core/test_tiers.py"]
 CUDA_ONLY_NAMES = ("cuda", "hostmaster", "pinned")
 
 

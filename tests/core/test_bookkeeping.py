@@ -248,7 +248,7 @@ def test_streamed_forward_hooks_each_unit_it_enters_once():
             assert streamed and plan.resident_units, "the budget should stream some units, keep others"
             assert all(ex.hooks.contained[u] for u in streamed)
             # and each resident unit that ends a streamed group (its entry frees that group's slot)
-            ends = [u for u in plan.resident_units if u in ex.transfers.schedule.frees]
+            ends = [u for u in plan.resident_units if u in ex.walk.schedule.frees]
             assert all(ex.hooks.contained[u] for u in ends)
             roots = sum(len(eng.planner.all[u].roots) for u in (*streamed, *ends))
             assert hooks_on(model) == roots, "one hook per root of each streamed unit and group end, none elsewhere"

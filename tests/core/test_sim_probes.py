@@ -9,7 +9,8 @@ import torch
 
 from sim_cuda import flop_seconds
 from test_sim_cuda import fresh_peak, reserved_peak_within, sim  # noqa: F401  (the fixture)
-from test_sim_timing import Block, build
+from test_sim_timing import build
+from timed_plans import Block
 from vramcut_core import Engine, EngineConfig
 from vramcut_core.figures import bandwidth
 from vramcut_core.model.tensors import MIB

@@ -16,7 +16,7 @@ import torch
 import timed_plans as tp
 from test_sim_cuda import sim  # noqa: F401  (the fixture)
 from vramcut_core.planning import timeline
-from vramcut_core.runtime import transfers
+from vramcut_core.runtime import schedule_walk
 from vramcut_core.planning.schedule import schedule_of
 
 B, HEAVY = 256, 12   # a block's hidden width; the passes of a heavy (long-computing) block
@@ -65,10 +65,10 @@ def test_sim_catches_overwriting_a_slot_before_its_group_is_done(sim, monkeypatc
     the next copy into the slot overwrites weights the group before may still be reading."""
     def on_the_copy_stream(self, slot):
         ev = torch.cuda.Event()
-        ev.record(self.copy_stream)
+        ev.record(self.transfers.copy_stream)
         slot.free = ev
 
-    monkeypatch.setattr(transfers.Transfers, "mark_free", on_the_copy_stream)
+    monkeypatch.setattr(schedule_walk.ScheduleWalk, "mark_free", on_the_copy_stream)
     measured_and_predicted(sim, "S R S S S", 2, heavy={1}, calls=2)
     assert any("write over bytes another stream may still read" in h for h in sim.hazards)
     sim.hazards.clear()

@@ -19,26 +19,11 @@ from torch import nn
 
 from sim_cuda import flop_seconds
 from test_sim_cuda import sim  # noqa: F401  (the fixture)
+from timed_plans import FLOPS, Block, D, N  # width, tokens, the simulated throughput, an MLP block
 from toys import seeded
 from vramcut_core import Engine, EngineConfig, plan_to_json, plan_to_text
 from vramcut_core.planning.plan import refit_reason
 from vramcut_core.model.tensors import MIB
-
-D, N = 32, 16          # width, tokens
-FLOPS = 1e9            # the simulated device's throughput (FLOP/s)
-
-
-class Block(nn.Module):
-    """An MLP of hidden width ``h`` run ``r`` times: weight 2·D·h floats, 4·N·D·h·r FLOPs."""
-
-    def __init__(self, h: int, r: int = 1) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.r = nn.Linear(D, h), nn.Linear(h, D), r
-
-    def forward(self, x):
-        for _ in range(self.r):
-            x = x + 0.1 * self.fc2(torch.tanh(self.fc1(x)))
-        return x
 
 
 class Stack(nn.Module):

@@ -10,8 +10,7 @@ import warnings
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDERS = ("vramcut_core", "nodes", "web", "bench")
 FILE_LINES, CLASS_LINES = 500, 300
-OVER = {"vramcut_core/engine.py", "vramcut_core/engine.py:Engine", "vramcut_core/runtime/executor.py:SegmentedExecutor",
-        "vramcut_core/runtime/transfers.py:Transfers"}
+OVER = set()
 
 
 def sources():

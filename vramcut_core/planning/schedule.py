@@ -1,6 +1,7 @@
 """The schedule of one call: which streamed group is copied when, into which slot, after what,
-and what compute waits for. Data, computed once per plan; the executor walks it and the
-timeline (``timeline.predict``) times it, so the two cannot drift.
+and what compute waits for. Data, computed once per plan; the executor walks it
+(``runtime.schedule_walk``) and the timeline (``timeline.predict``) times it, so the two cannot
+drift.
 
 Pure (no torch). ``schedule_of(plan)`` gives the streamed groups a call copies, in execution
 order (``Copy``), and what each unit's entry does:

@@ -3,14 +3,15 @@ tests exercise all of it).
 
 It orchestrates one forward and owns only what spans the rooms: the session (buffers kept
 between forwards), the plan switch, which unit runs (entered through ``unit_hooks``: nothing
-counts calls, so skipped, replaced and repeated blocks are fine), the walk of the plan's
-schedule (``schedule``: a slot's free event recorded when its group is done, the next copy
-into it issued then; a group not in its slot when entered copied at once), the held-plan policy (inside a session, or with ``hold_weights``, an
-all-resident plan keeps its weights swapped in between forwards), release, ``invalidate`` and
-the failure bookkeeping. The resources live beside it in ``runtime``, one owner each, and
-their module docstrings say what each owns and the rule it keeps: ``host_memory`` (masters,
-page-locking, the bounce buffer of file-backed weights), ``device_memory`` (buffers, slots,
-byte counts), ``transfers`` (copy stream, events, prefetch order, reader ordering), ``binding``
+counts calls, so skipped, replaced and repeated blocks are fine), the held-plan policy (inside
+a session, or with ``hold_weights``, an all-resident plan keeps its weights swapped in between
+forwards), release, ``invalidate`` and the failure bookkeeping. The resources live beside it in
+``runtime``, one owner each, and their module docstrings say what each owns and the rule it
+keeps: ``host_memory`` (masters, page-locking, the bounce buffer of file-backed weights),
+``device_memory`` (buffers, slots, byte counts), ``transfers`` (copy stream, events, reader
+ordering, copy timing), ``schedule_walk`` (the plan's schedule walked at each unit entry: a
+slot's free event recorded when its group is done, the next copy into it issued then; a group
+not in its slot when entered copied at once; the copies issued for the next call), ``binding``
 (pointer swaps, held weights), ``unit_hooks`` and ``measuring`` (one forward's measurement).
 
 The one rule: after a forward, an exception or an interrupt the module is exactly as it was
@@ -30,9 +31,10 @@ from torch import nn
 from ..planning.plan import Plan
 from ..planning.report import RunStats
 from .binding import Binding
-from .device_memory import DeviceCopy, DeviceMemory, Slot
+from .device_memory import DeviceCopy, DeviceMemory
 from .host_memory import PAGE_LOCKED, HostMasters
 from .measuring import Measuring
+from .schedule_walk import ScheduleWalk
 from .transfers import Transfers
 from .unit_hooks import UnitHooks
 from ..model.units import Unit
@@ -96,16 +98,14 @@ class SegmentedExecutor:
         self.transfers = Transfers(self.device, self.memory, self.masters, self.binding, units, reader_streams)
         self.hooks = UnitHooks(units, self)
         self.measuring = Measuring(self.device, self.memory, units)
+        self.walk = ScheduleWalk(self.memory, self.transfers, self.binding, self.measuring)
         self._in_session = 0
         self.keep_buffers = False   # hold device buffers between forwards until release()
         # an all-resident plan keeps its weights swapped in between forwards of a session (or with
         # ``hold_weights``); whole again on release, error, invalidate, a new plan, a foreign forward
         self.hold_weights = False
         self._running = False
-        self._plan = self._last_plan = None
         self._current: str | None = None
-        self._last_streamed: tuple[str, ...] | None = None   # the streamed group running
-        self._open: Slot | None = None   # the slot of the streamed group computing (its free event not yet recorded)
         # the unit that ran when the last forward raised, the bytes the executor held then, the plan
         self.failed_unit, self.failed_device_bytes, self.failed_plan = None, 0, None
         self.failed_tracked = True    # the failed forward tracked every unit (not only streamed ones)
@@ -150,8 +150,7 @@ class SegmentedExecutor:
             raise RuntimeError("SegmentedExecutor.forward is not re-entrant")
         self._running = True
         stats = RunStats(forwards=1)
-        self.transfers.stats = stats
-        self.transfers.take_ahead(stats)
+        self.walk.start(stats, plan)
         ok = False
         t0 = time.perf_counter()
         start_ev = None
@@ -159,7 +158,6 @@ class SegmentedExecutor:
         ms.reset(limit_bytes if measure else None)
         self.memory.on_grow = self._check_live if ms.limit is not None else None
         self.failed_unit = None
-        self._open = None
         self.peak_weight_bytes = self.device_bytes  # this forward's peak, not the executor's lifetime's
         global_hooks = []
         capped = None   # the allocator's fraction to restore after a capped measuring forward
@@ -168,7 +166,6 @@ class SegmentedExecutor:
             self.masters.tiers.check()  # the weights files are as they were (disk-tier units)
             if self.cuda:
                 start_ev = ms.start_cuda()
-            self._last_plan = self._plan = plan
             resumed = self.binding.resume(plan, not measure and not clock and not self._stale_copies)
             if not resumed:
                 self._begin(plan)
@@ -178,7 +175,7 @@ class SegmentedExecutor:
             if self.cuda:
                 capped = ms.cap_cuda(self.device_bytes + ms.input_bytes)
             if not resumed:
-                self.hooks.install(plan, ms.meas is not None, set() if clock else self._unhooked())
+                self.hooks.install(plan, ms.meas is not None, set() if clock else self.walk.unhooked())
             global_hooks = ms.limit_hooks_cuda(lambda *_a: self._check_live())
             out = fn(*args, **kwargs)
             ok = True
@@ -199,18 +196,16 @@ class SegmentedExecutor:
             if not ok or not self._holding:
                 self.hooks.remove()
             elif clock:  # a timed forward hooked the resident units too: back to the steady hooks
-                self.hooks.install(plan, False, self._unhooked())
+                self.hooks.install(plan, False, self.walk.unhooked())
             ms.stop_meter()
             self._after_forward(plan, ok)
-            if ok:
-                self._close_group()  # the last streamed group is done: its slot's free event
-            self._open = None
-            self._current = self._last_streamed = None
+            self.walk.end(ok, self._holding)
+            self._current = None
             try:
                 if ok and plan.slots == 2 and self._holding:
-                    self._prefetch_first(plan)  # wrap around: ready for the next forward
+                    self.walk.prefetch_first(plan)  # wrap around: ready for the next forward
                 if self.cuda:
-                    self.transfers.collect_cuda_times(stats, start_ev, ms.end_cuda(stats))
+                    self.transfers.times.collect_cuda_times(stats, start_ev, ms.end_cuda(stats))
                 else:
                     ms.cpu_stats(stats, time.perf_counter() - t0)
                 stats.peak_weight_bytes = self.peak_weight_bytes
@@ -219,7 +214,7 @@ class SegmentedExecutor:
                 self.memory.pause = contextlib.nullcontext
                 self.memory.on_grow = None
                 self._running = False
-                self._plan = None
+                self.walk.plan = None
                 if not ok or not self._holding:
                     self.release()  # after an error (out of memory included) nothing stays on the device
 
@@ -236,13 +231,12 @@ class SegmentedExecutor:
         if self._running:
             raise RuntimeError("cannot release while a forward runs")
         self.transfers.drain()
-        self.transfers.drop_ahead()
+        self.walk.drop_ahead()
         self.hooks.remove()
         self.binding.drop_held()
         self.binding.restore_all()
         # host masters stay (pinned, owned for the process): the next session streams at once
-        self.transfers.forget_times()
-        self._last_plan = None
+        self.transfers.times.forget()
         self._stale_copies = False
         self.memory.clear()
 
@@ -290,42 +284,14 @@ class SegmentedExecutor:
             raise RuntimeError("cannot restore the weights while a forward runs")
         self.binding.drop_held()
 
-    # -- the schedule of one forward ---------------------------------------------------------
+    # -- the schedule of one forward (walked by ``walk``) ------------------------------------
 
     def _begin(self, plan: Plan) -> None:
-        self._plan = plan
-        mem, groups = self.memory, plan.streamed_groups
-        mem.free_for(plan, self._stale_copies, self.transfers.order_after_copies)
+        self.memory.free_for(plan, self._stale_copies, self.transfers.order_after_copies)
         self.masters.tiers.use(plan.tiers)  # under a RAM budget: units leave RAM before others enter
         self.transfers.load_resident(plan, self._stale_copies)
         self._stale_copies = False
-        while len(mem.slots) < plan.slots:
-            mem.slots.append(Slot(mem.alloc(plan.slot_bytes)))
-            # its free event: the kernels queued before it was allocated (memory the allocator may
-            # have recycled from them), not those queued before its first copy is issued
-            self.transfers.mark_free(mem.slots[-1])
-        self.transfers.use_plan(plan)
-        self.binding.swap_in_buffers(mem, self._loaded)
-        if (groups and plan.slots and mem.slot_of(groups[0][0]) is None
-                and mem.group_bytes(groups[0]) <= plan.slot_bytes):  # a measuring slot may not hold it
-            self._load_into_slot(groups[0], mem.slots[0], sync=not self.cuda)
-
-    def _load_into_slot(self, group: tuple[str, ...], slot: Slot, sync: bool, swap: bool = True,
-                        ahead: bool = False) -> None:
-        """Copy a streamed group into a slot as one transfer (see ``Transfers.into_slot``);
-        ``ahead``: for the next call, which counts it."""
-        self.memory.check_fits(group, slot, self.measuring.act_seen, self._plan.budget_bytes if self._plan else 0)
-        tr = self.transfers
-        tr.ahead = ahead
-        try:
-            tr.into_slot(group, slot, sync, swap)
-        finally:
-            tr.ahead = False
-
-    def _prefetch_first(self, plan: Plan) -> None:  # wrap around: the next forward's first group
-        g, mem = plan.streamed_groups, self.memory  # (tensors stay on their masters until it starts)
-        if g and mem.slot_of(g[0][0]) is None and len(mem.slots) >= 2:
-            self._load_into_slot(g[0], mem.other_slot(self._last_streamed), sync=False, swap=False, ahead=True)
+        self.walk.begin(plan, self._loaded)
 
     def _enter(self, name: str, module: nn.Module | None = None) -> None:
         if not self._running:
@@ -333,56 +299,8 @@ class SegmentedExecutor:
         if not self.measuring.switch(self._current, name, module):
             return
         self._current = name
-        mem, tr = self.memory, self.transfers
-        self._close_group(name)
-        if name not in mem.resident_names:
-            slot = mem.slot_of(name)
-            if slot is None:
-                # not prefetched (first forward, a skipped or repeated block): load its group now
-                if tr.stats is not None:
-                    tr.stats.sync_loads += 1
-                slot = mem.other_slot(self._last_streamed)
-                a = tr.cuda_mark()
-                self._load_into_slot(tr.group_of.get(name, (name,)), slot, sync=True)
-                if a is not None:
-                    tr.waits.append((a, tr.cuda_mark()))
-            else:
-                tr.order_entry(slot.copies[name], slot.copies)
-            self._last_streamed = slot.group
-            slot.free, self._open = None, slot  # read from now on, until the group is done
-            self._loaded(name, slot.copies[name])
-        nxt = tr.next.get(name)
-        if (nxt is not None and len(mem.slots) >= 2 and mem.slot_of(nxt[0]) is None
-                and (self._holding or name not in tr.schedule.ahead)):  # (released unread after the call)
-            self._load_into_slot(nxt, mem.other_slot(self._last_streamed), sync=not self.cuda,
-                                 ahead=name in tr.schedule.ahead)
+        self.walk.enter(name, self._holding, self._loaded)
         self.measuring.entered(name)
-
-    def _close_group(self, entering: str | None = None) -> None:
-        """The streamed group computing is done when another unit is entered (``entering``) or
-        the call ends (None): its slot's free event is recorded and the group the schedule puts
-        there next is copied now (``schedule``: a copy is issued when its slot frees; in a
-        measuring forward at the entry before it, as the plan's prefetch order says)."""
-        slot = self._open
-        if slot is None or (entering is not None and entering in slot.copies):
-            return
-        self._open = None
-        tr, mem = self.transfers, self.memory
-        tr.mark_free(slot)
-        nxt = tr.schedule.refill.get(slot.group) if tr.schedule is not None else None
-        if (nxt is None or self.measuring.meas is not None or mem.slot_of(nxt[0]) is not None
-                or mem.group_bytes(nxt) > slot.buf.numel()
-                or not (self._holding or slot.group not in tr.schedule.ahead)):  # (released unread after the call)
-            return
-        # (at the call's end the tensors stay on their masters until the next call enters it)
-        self._load_into_slot(nxt, slot, sync=not self.cuda, swap=entering is not None,
-                             ahead=entering is None or slot.group in tr.schedule.ahead)
-
-    def _unhooked(self) -> set[str]:
-        """The units a steady forward does not hook: resident ones, but those whose entry ends a
-        streamed group (the schedule's ``frees``: there the group's slot is free for its next copy)."""
-        sched = self.transfers.schedule
-        return self.memory.resident_names - (sched.frees if sched is not None else frozenset())
 
     def _loaded(self, name: str, dc: DeviceCopy) -> None:
         """Run ``on_loaded`` once per device copy, when the copy is usable by compute."""

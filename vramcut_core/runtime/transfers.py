@@ -1,10 +1,10 @@
-"""Transfers: the copy stream, its events, the schedule it follows, and which readers wait on which copy.
+"""Transfers: the copy stream, its events, and which readers wait on which copy.
 
 Owns the side stream copies run on (CUDA), the events of every copy (one per transfer: a
 streamed segment's units are copied one after another between one wait and one event, which all
-of them share; one per piece of the bounce buffer a file-backed unit passes through), the
-timing events not yet read, and the plan's schedule (``schedule``: each unit's segment, what
-each entry prefetches, what each slot is refilled with once it frees). The one rule: every
+of them share; one per piece of the bounce buffer a file-backed unit passes through) and the
+timing events not yet read (``CopyTimes``). Which group is copied into which slot, and when, is
+the schedule walk's (``schedule_walk``); a copy here is told what to wait for. The one rule: every
 stream that reads a buffer waits on the event of the copy that filled it, and a copy into a
 buffer first waits on the compute stream (into a slot: the slot's free event, recorded once the
 group that last held it was done), so it never overwrites weights that queued kernels still
@@ -15,7 +15,7 @@ same copies first); both stay: on a GPU kernels queue, and masters can outlive t
 finalizer blocks the host only while a copy is in flight (test_sim_switch.py checks both ways):
 collection may run it inside another engine's step.
 May call torch, ``device_memory`` (to count subclass bytes), ``host_memory`` (masters to copy
-from) and ``binding`` (where a tensor's master is).
+from), ``disk`` (disk-tier reads) and ``binding`` (where a tensor's master is).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import torch
 
 from ..model import quant
 from ..planning.plan import Plan
-from ..planning.schedule import Schedule, schedule_of
 from .binding import Binding
 from .device_memory import DeviceCopy, DeviceMemory
 from . import disk, host_memory
@@ -49,49 +48,18 @@ class Transfers:
         self._unit = units
         self.memory, self.masters, self.binding = memory, masters, binding
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.events: list[tuple[object, object]] = []   # CUDA (start, end) copy events
-        self.waits: list[tuple[object, object]] = []    # CUDA (start, end) of compute waiting
-        self.timing: list[tuple[object, object]] = []   # CUDA (start, end) of forwards not yet timed
-        self.stats = None                               # the running forward's RunStats
-        # copies issued for the next call (the schedule's ``ahead``): counted in the call that
-        # reads them (``take_ahead``), never in the call that happened to issue them; dropped
-        # unread when the session ends (a one-call session streams what its plan says)
-        self.ahead = False
-        self.ahead_stats = None
+        self.times = CopyTimes(device)                  # the timing events not yet read
+        # the RunStats copies count in: the running call's, or the next call's while a copy for it
+        # is issued (``schedule_walk``)
+        self.stats = None
         self._staged_bytes = 0                          # page-locked staging of the transfer being issued
         # Other streams that read the weights while they are swapped in (the host's offload
         # streams, ``HostHooks.reader_streams``): each waits on the same copy events as the
         # compute stream.
         self.reader_streams = reader_streams
-        self.schedule: Schedule | None = None  # the plan's (``schedule``): what each entry issues
-        self.group_of: dict[str, tuple[str, ...]] = {}       # streamed unit -> its segment's units
-        self.next: dict[str, tuple[str, ...] | None] = {}    # unit -> the streamed group to prefetch
         # Collected without release (an interrupted run, an engine replaced): the device buffers
         # this executor's copies write go with it.
         weakref.finalize(self, _drain_cuda, self.copy_stream)
-
-    def _counted(self):
-        """The stats a copy issued now counts in: the running call's, or the next call's."""
-        if not self.ahead:
-            return self.stats
-        if self.ahead_stats is None:
-            self.ahead_stats = type(self.stats)() if self.stats is not None else None
-        return self.ahead_stats
-
-    def take_ahead(self, stats) -> None:
-        """The copies issued for this call during the one before count in this call."""
-        if self.ahead_stats is not None and stats is not None:
-            stats.add(self.ahead_stats)
-        self.ahead_stats = None
-
-    def drop_ahead(self) -> None:
-        """The session ended: the copies made for a call that never came count nowhere."""
-        self.ahead_stats = None
-
-    def use_plan(self, plan: Plan) -> None:
-        """Copies from now on follow ``plan``'s schedule (``schedule.schedule_of``)."""
-        self.schedule = schedule_of(plan)
-        self.group_of, self.next = dict(self.schedule.group_of), dict(self.schedule.issue)
 
     def drain(self) -> None:
         """Before the device buffers are freed: every copy and every queued kernel has finished."""
@@ -155,14 +123,14 @@ class Transfers:
                     PAGE_LOCKED.staged(done, self._staged_bytes)
                     for dc in out.values():
                         dc.ready = done
-                    self.events.append((ev_start, done))
+                    self.times.copies.append((ev_start, done))
                     for n, m in masters.items():
                         for owner in ([m] if m is not None else masters_holding(self._unit(n))):
                             owner.read_by(self.copy_stream, done)
         other = sum(mem.layout(n).other_bytes for n in names)
         if other:
             mem.account(other)
-        st = self._counted()
+        st = self.stats
         if st is not None and any(n not in mem.resident_names for n in names):
             st.copies += 1
             st.bytes_streamed += sum(mem.unit_bytes(n) for n in names if n not in mem.resident_names)
@@ -195,20 +163,6 @@ class Transfers:
         buf, dc = mem.resident[name]
         mem.account(-mem.other_bytes(dc))
         mem.resident[name] = (buf, self.load((name,), buf, sync=True)[name])
-
-    def into_slot(self, group: tuple[str, ...], slot, sync: bool, swap: bool = True) -> None:
-        """Copy a streamed group (one segment's units) into a slot as one transfer, evicting what
-        it held (nothing is copied back: the host copy is the master). ``swap`` points the units'
-        tensors at the slot right away. The caller has checked the group fits."""
-        mem = self.memory
-        for old in slot.copies:
-            self.binding.swap_out(old)
-        mem.account(-mem.slot_other_bytes(slot))
-        slot.copies = {}
-        slot.copies = self.load(group, slot.buf, sync=sync, free=slot.free)
-        if swap:
-            for n, dc in slot.copies.items():
-                self.binding.swap_in(n, dc)
 
     def _copy_unit(self, name: str, buf: torch.Tensor, base: int, master: _HostMaster | None,
                    bounce: BounceBuffer | None, compute) -> DeviceCopy:
@@ -293,7 +247,7 @@ class Transfers:
         copy: ``BounceBuffer.take``). Without a page-locked bounce buffer each piece is read into
         pageable memory and copied synchronously, on purpose."""
         pool = disk.reader()
-        st = self._counted()
+        st = self.stats
         if not self.cuda:
             got = pool.submit(disk.read_into, buf[base:base + nbytes], reads).result()
             if st is not None:
@@ -345,14 +299,6 @@ class Transfers:
             self._staged_bytes += host_alloc_size(src.numel() * src.element_size())
         return out, async_ok
 
-    def mark_free(self, slot) -> None:
-        """The group in ``slot`` is done computing (no kernel queued from now on reads it): its
-        free event, which the next copy into the slot waits for (``load``'s ``free``)."""
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            slot.free = ev
-
     def order_readers(self, ready) -> None:
         """Every stream that reads the weights waits for the copy that put them there."""
         # hazard: compute reading a buffer before its copy has landed
@@ -367,11 +313,24 @@ class Transfers:
             ready = dc.ready
             # compute must not read the slot before its copy has landed
             if not ready.query():
-                a = self.cuda_mark()
+                a = self.times.cuda_mark()
                 self.order_readers(ready)
-                self.waits.append((a, self.cuda_mark()))
+                self.times.waits.append((a, self.times.cuda_mark()))
             for c in group.values():  # one event for the group: ordered for all of it
                 c.ready = None
+
+
+class CopyTimes:
+    """The CUDA timing events of one executor not yet read: each copy's (start, end) on the copy
+    stream, each wait of compute for a copy, each forward's. They are read once completed
+    (``collect_cuda_times``), never waited for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.copies: list[tuple[object, object]] = []    # CUDA (start, end) copy events
+        self.waits: list[tuple[object, object]] = []     # CUDA (start, end) of compute waiting
+        self.forwards: list[tuple[object, object]] = []  # CUDA (start, end) of forwards not yet timed
 
     def cuda_mark(self):
         """A timing event on the compute stream (None on CPU)."""
@@ -387,24 +346,24 @@ class Transfers:
         ends). The copy stream is not waited for: the prefetch for the next forward keeps
         running, and copies still in flight are counted when they have landed."""
         done, pending = [], []
-        for pair in self.events:
+        for pair in self.copies:
             (done if pair[1].query() else pending).append(pair)
-        self.events = pending
+        self.copies = pending
         stats.time_copy_s = sum(a.elapsed_time(b) for a, b in done) / 1e3
         waited = [p for p in self.waits if p[1].query()]
         self.waits = [p for p in self.waits if p not in waited]
         stats.time_wait_s += sum(a.elapsed_time(b) for a, b in waited) / 1e3
         if start_ev is not None:
-            self.timing.append((start_ev, end_ev))
-        timed = [p for p in self.timing if p[1].query()]
-        self.timing = [p for p in self.timing if p not in timed]
+            self.forwards.append((start_ev, end_ev))
+        timed = [p for p in self.forwards if p[1].query()]
+        self.forwards = [p for p in self.forwards if p not in timed]
         total = sum(a.elapsed_time(b) for a, b in timed) / 1e3
         stats.time_s, stats.timed = total, len(timed)
         stats.time_compute_s = max(0.0, total - stats.time_wait_s)
 
-    def forget_times(self) -> None:
-        self.events.clear()
-        self.timing.clear()
+    def forget(self) -> None:
+        self.copies.clear()
+        self.forwards.clear()
 
 
 def _drain_cuda(copy_stream) -> None:

@@ -15,11 +15,13 @@ const KIB = 1024;
 const MIB = 1024 ** 2;
 const GIB = 1024 ** 3;
 
+/** Bytes as Python writes them (model/tensors.py fmt_bytes), so that the table, drawn from
+ * Python's text, and the tooltips read the same figure the same way. */
 export function fmtBytes(n) {
   if (n === null || n === undefined || !Number.isFinite(n)) return "—";
   const a = Math.abs(n);
   if (a >= GIB) return `${(n / GIB).toFixed(2)} GiB`;
-  if (a >= MIB) return `${(n / MIB).toFixed(a >= 100 * MIB ? 0 : 1)} MiB`;
+  if (a >= MIB) return `${(n / MIB).toFixed(1)} MiB`;
   if (a >= KIB) return `${(n / KIB).toFixed(1)} KiB`;
   return `${n} B`;
 }
