@@ -16,7 +16,8 @@ not in its slot when entered copied at once; the copies issued for the next call
 
 The one rule: after a forward, an exception or an interrupt the module is exactly as it was
 (hooks removed, every tensor pointed back at its master in ``finally``), held weights excepted,
-which go back on release, an error, ``invalidate``, a new plan and any forward not ours.
+which go back on release, ``rest`` (the end of a run), an error, ``invalidate``, a new plan and
+any forward not ours.
 """
 from __future__ import annotations
 
