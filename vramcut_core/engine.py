@@ -338,12 +338,8 @@ class Engine:
     def weights_changed(self) -> None:
         self.side.weights_changed()
 
-    def rest(self) -> None:
-        """Between runs: the module whole again (no held weight, no hook), the device buffers and
-        their copies kept for the next run; ``release`` gives them back."""
-        self.side.rest()
-
     running = property(lambda self: self.side.running)   # a forward of this engine runs now
+    rest = property(lambda self: self.side.rest)   # rest(): between runs, the module whole, the buffers kept
     device = property(lambda self: self.executor.device)   # the home device: inputs and output
     held_bytes = property(lambda self: sum(self.side.held_bytes_by_device.values()))  # held now, all devices
     held_bytes_by_device = property(lambda self: self.side.held_bytes_by_device)
