@@ -234,7 +234,7 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
         out.append(f"planned again for {budget_gib(plan.refit.budget_bytes)} (was "
                    f"{budget_gib(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
     if plan.tiers is not None:
-        out.append(tiers_text(plan.tiers))
+        out.append(tiers_text(plan.tiers, parts=bool(plan.split)))
     if steady is not None and steady.forwards:
         n = steady.forwards
         out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "
