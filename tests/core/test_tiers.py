@@ -358,3 +358,21 @@ def test_the_load_cost_of_mapped_weights_is_what_the_checkpoint_holds(tmp_path):
     assert load["cached_bytes"] == load["cache_file_bytes"] == 0 and load["write_s"] == 0
     assert load["mapped_bytes"] == sum(reads.host_unit(n).read_bytes for n, k in t.tier if k != RAM) > 0
     assert load["ram_bytes"] == t.ram_bytes
+
+
+@pytest.mark.parametrize("where", ["anonymous", "mapped"])
+def test_inference_tensors_as_the_host_loads_a_vae_run_under_a_ram_budget(tmp_path, where):
+    """Weights that are inference tensors (a host that loads under inference mode, as ComfyUI's
+    VAE loader does, from a mapped checkpoint or into RAM) keep no version counter: the tiers
+    run them all the same."""
+    with torch.inference_mode():
+        model = mapped(lambda: TransformerStack(d=64), tmp_path) if where == "mapped" else seeded(TransformerStack(d=64))
+        if where == "anonymous":
+            for p in model.parameters():
+                p.data = p.data.clone()
+    assert next(model.parameters()).is_inference()
+    eng = cpu_engine(model, 40_000)
+    with torch.inference_mode():
+        outs = [eng.run(model, ids()) for _ in range(2)]
+    assert all(torch.equal(o, reference()) for o in outs)
+    assert eng.last_plan.tiers.disk_units and eng.last_stats.disk_bytes_read == eng.last_plan.tiers.disk_bytes_per_call

@@ -41,6 +41,16 @@ def _tensors(unit: Unit, lay: Layout) -> list[tuple[int, torch.Tensor]]:
     return sorted(out, key=lambda x: x[0])
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's version counter; None for an inference tensor (a host that loaded its weights
+    under inference mode: ComfyUI's VAE), which keeps none. Such a tensor can be written in place
+    only inside inference mode, and a write there is not seen: its address still is."""
+    try:
+        return t._version
+    except RuntimeError:  # (a parameter holding inference data says is_inference() False)
+        return None
+
+
 def anonymous_bytes() -> int | None:
     """The process's anonymous resident memory (``RssAnon`` of ``/proc/self/status``); None where
     the system does not say."""
@@ -121,7 +131,7 @@ class HostTiers:
 
     def _state(self, name: str) -> tuple:
         ts = _tensors(self._unit(name), self._layout(name))
-        return tuple(t.data_ptr() for _, t in ts), tuple(t._version for _, t in ts)
+        return tuple(t.data_ptr() for _, t in ts), tuple(_version(t) for _, t in ts)
 
     def _made(self, name: str) -> bool:
         return name in self._reads and self._seen.get(name) == self._state(name)
