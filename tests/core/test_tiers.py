@@ -20,7 +20,8 @@ from toys import TransformerStack, seeded
 from vramcut_core import Engine, EngineConfig, gib_text, gib_to_bytes
 from vramcut_core.planning.plan import PlanUnit, build_plan
 from vramcut_core.runtime import disk, host_memory as hm
-from vramcut_core.planning.tiers import DEVICE, DISK, RAM, HostUnit, RamBudgetError, choose, tiers_text
+from vramcut_core.planning.report import tiers_text
+from vramcut_core.planning.tiers import DEVICE, DISK, RAM, HostUnit, RamBudgetError, choose
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import { answer, blockCount, copies, costTip, deviceRow, fmtBytes, gib, gibText,
   segmentContents, segmentCounts, sharedPrefix, shortSegmentName, timeLine } from "./format.js";
 import { COLORS, inkOn } from "./theme.js";
 import { groupLabels, labelChoices, pickLabels } from "./labels.js";
-import { fitText, roundRect, wrapText } from "./pen.js";
+import { fitText, paintTrack, roundRect, wrapText } from "./pen.js";
 import { drawRam } from "./ram.js";
 
 const ACT_H = 22;             // the activation row above the segment bars (the tallest is this high)
@@ -191,16 +191,7 @@ function drawBar(pen, plan, budget, tip = null) {
   const bx = (b) => (b / scale) * W;
   pen.y += 3;
   const y = pen.y;
-  if (pen.paint) {
-    ctx.save();
-    roundRect(ctx, 0, y, Math.max(1, bx(budget)), barH, 3);
-    ctx.fillStyle = theme.track;
-    ctx.fill();
-    ctx.strokeStyle = theme.border;
-    ctx.lineWidth = 1;
-    ctx.stroke();
-    ctx.restore();
-  }
+  paintTrack(pen, y, bx(budget), barH);
   let x = 0;
   for (const [bytes, color] of [[res, COLORS.resident], [win, COLORS.streamed], [act ?? 0, COLORS.activation]]) {
     const w = bx(bytes);

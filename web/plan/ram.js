@@ -10,7 +10,7 @@
 
 import { fmtBytes, fmtSeconds, gib } from "./format.js";
 import { COLORS } from "./theme.js";
-import { roundRect, wrapText } from "./pen.js";
+import { paintTrack, wrapText } from "./pen.js";
 
 const n = (v) => Math.max(0, Number(v) || 0);
 
@@ -106,16 +106,7 @@ export function drawRam(pen, m, details) {
   const bx = (b) => (b / scale) * W;
   pen.y += 3;
   const y = pen.y;
-  if (pen.paint) {
-    ctx.save();
-    roundRect(ctx, 0, y, Math.max(1, bx(f.budget)), barH, 3);
-    ctx.fillStyle = theme.track;
-    ctx.fill();
-    ctx.strokeStyle = theme.border;
-    ctx.lineWidth = 1;
-    ctx.stroke();
-    ctx.restore();
-  }
+  paintTrack(pen, y, bx(f.budget), barH);
   pen.rect(0, y + 1, bx(f.ram), barH - 2, COLORS.ram);
   pen.rect(bx(f.ram), y + 1, bx(f.bounce), barH - 2, COLORS.bounce);
   if (f.disk) pen.rect(bx(edge) + 2, y + 1, Math.max(1, bx(f.disk) - 2), barH - 2, COLORS.disk);
