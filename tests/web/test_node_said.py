@@ -11,6 +11,8 @@ user met (each failed before its fix):
   table's footer in the node's words ("1 call", seconds with a space, no "window 0×0 B");
 * a long module path in a banner wrapped whole at the default width, never cut;
 * a refused model's table: the refusal, not the plan drawn before the run;
+* after a tab switch the first "less" shrinks the node, and a short plan replacing a long
+  refusal leaves no empty band;
 * below one block's weights, with a preview shape, every model previewed and one number that
   makes all of them fit.
 
@@ -252,3 +254,63 @@ def test_a_long_refusal_wraps_whole_and_its_table_shows_the_refusal(comfy_server
     table = browser.execute_script("return app.graph.getNodeById(arguments[0]).vramcutView.pre.innerText", cut)
     assert "refused" in table and LONG_UNIT in table, table
     assert "blocks.1.2" not in table and "streamed per call" not in table, ("the plan drawn before the run", table)
+
+
+# ------------------------------------------- 4: the node follows its content after a reload
+
+CONTENT_JS = """
+const v = app.graph.getNodeById(arguments[0]).vramcutView;
+return {H: v.el.clientHeight, content: v.contentHeight(v.el.clientWidth), node: app.graph.getNodeById(arguments[0]).size[1],
+        details: v.details, state: v.el.dataset.state};
+"""
+
+
+# to a new workflow tab and back, as a user switches tabs: the graph is loaded again
+TAB_SWITCH_JS = """
+const done = arguments[0];
+(async () => {
+  const run = (id) => app.extensionManager.command.execute(id);
+  await run("Comfy.NewBlankWorkflow");
+  await new Promise((r) => setTimeout(r, 300));
+  await run("Workspace.PreviousOpenedWorkflow");
+  done(true);
+})().catch((e) => done({error: String(e && e.stack || e)}));
+"""
+
+
+def _fitted(browser, cut, what):
+    """The node as tall as its content (no empty band below it), once the host laid it out."""
+    return tb._wait(browser, what, lambda: (
+        (x := browser.execute_script(CONTENT_JS, cut))["H"] > 0 and abs(x["H"] - x["content"]) <= 1 and x), timeout=10)
+
+
+def test_after_a_reload_less_shrinks_the_node_and_a_short_plan_replaces_a_long_refusal(comfy_server, browser):
+    """The workflow loaded again after switching to another workflow tab and back, with its
+    details open: the first "less" shrinks the node to the shorter content; then a long refusal,
+    replaced by the short plan of the next run, leaves no empty band below that plan."""
+    from selenium.webdriver.common.by import By
+
+    s = comfy_server
+    ids = _vae_run(browser, s, tb.VAE_BUDGET_GB, 5401, details=True)
+    cut = ids["cut"]
+    tb._wait_run(browser, s, cut, "measured")
+    raw = browser.execute_script("return app.graph.getNodeById(arguments[0]).vramcutView.raw", cut)
+    opened = _fitted(browser, cut, "the details fitted")
+    browser.execute_async_script(TAB_SWITCH_JS)
+    tb._wait(browser, "the plan shown again with its details", lambda: browser.execute_script(
+        "const n = app.graph.getNodeById(arguments[0]); return !!(n && n.vramcutView && n.vramcutView.payload"
+        " && n.vramcutView.details && n.vramcutView.el.clientHeight > 0)", cut))
+    time.sleep(0.5)
+    assert abs(browser.execute_script(CONTENT_JS, cut)["node"] - opened["node"]) <= 1, "the reload resized the node"
+    browser.find_element(By.CSS_SELECTOR, ".vramcut-plan-details").click()  # "less"
+    less = _fitted(browser, cut, "the node shrunk to the plan without its details")
+    assert not less["details"] and less["node"] < opened["node"] - 40, (opened, less)
+
+    long = _refused_payload()
+    long["models"][0]["message"] = long["message"] = " ".join([long["message"]] * 4)
+    browser.execute_script("app.graph.getNodeById(arguments[0]).vramcutShow(arguments[1])", cut, long)
+    tall = _fitted(browser, cut, "the long refusal shown whole")
+    assert tall["state"] == "refused" and tall["node"] > less["node"], (less, tall)
+    browser.execute_script("app.graph.getNodeById(arguments[0]).vramcutShow(arguments[1])", cut, raw)
+    short = _fitted(browser, cut, "the short plan with no empty band below it")
+    assert short["state"] == "plan" and abs(short["node"] - less["node"]) <= 2, (less, tall, short)

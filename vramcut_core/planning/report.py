@@ -165,6 +165,15 @@ def cost_to_json(plan_json: dict, bandwidth: dict | None = None) -> dict:
     return out
 
 
+def _resident_copies(plan: Plan, copies: int) -> str:
+    """How often the resident units were copied in: once, or once in each of several calls (each
+    call outside a sampling run, such as a VAE decode, starts with nothing on the device)."""
+    units = sum(len(s.units) for s in plan.segments if s.resident)
+    if units and copies > units and copies % units == 0:
+        return f"{units} block{'' if units == 1 else 's'}, copied in {copies // units} calls"
+    return "once" if copies <= units else f"{units} block{'' if units == 1 else 's'}, some copied more than once"
+
+
 def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
                  steady: RunStats | None = None) -> str:
     """A fixed-width table: one row per segment, then the totals; with ``steady`` (the forwards
@@ -219,7 +228,7 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
                    + (", the measuring one included (it streams every block through one slot)"
                       if steady is not None else "")
                    + f": streamed {fmt_bytes(stats.bytes_streamed)} in {k} cop{'y' if k == 1 else 'ies'}"
-                   + (f", {r} resident cop{'y' if r == 1 else 'ies'} (once)" if r else "")
+                   + (f", {r} resident cop{'y' if r == 1 else 'ies'} ({_resident_copies(plan, r)})" if r else "")
                    + f", peak device {fmt_bytes(stats.peak_device_bytes)}, copy {stats.time_copy_s:.3f} s, "
                    f"wait {stats.time_wait_s:.3f} s, compute {stats.time_compute_s:.3f} s")
     tj = time_to_json(plan, steady)

@@ -27,6 +27,11 @@ export class NodeFit {
     this.restorePending = false;
   }
 
+  /** The content's height at the node's width now (before a change the user asks for). */
+  contentHeightNow() {
+    return this.view.contentHeight((this.node.size?.[0] ?? MIN_NODE_WIDTH) - 2 * MARGIN);
+  }
+
   /** The widget's minimum height: no locked minimum (the node can be made as small as the
    * header), except while this code fits the node, when it is the content's height. */
   minHeight() {
@@ -79,8 +84,12 @@ export class NodeFit {
   /** What the view shows changed: fit the node when the content's height changed since it was
    * last fitted, both ways (no empty band stays below shorter content). `restore`: a plan shown
    * again in a loaded workflow, which keeps its saved size unless that is too short to show it. */
-  contentChanged({ restore = false } = {}) {
+  contentChanged({ restore = false, shown = null } = {}) {
     const h = this.view.contentHeight((this.node.size?.[0] ?? MIN_NODE_WIDTH) - 2 * MARGIN);
+    // the user changed the view (details, table): the content shown until then counts as fitted,
+    // so a shorter view shrinks the node even when this code never fitted it (a workflow loaded
+    // again, as a tab switch does, keeps its saved height until then)
+    if (shown !== null && this.fittedHeight === null && this.view.el.clientHeight + 1 >= shown) this.fittedHeight = shown;
     if (restore) {
       this.settled = true; // a loaded workflow keeps its saved size...
       const area = this.view.el.clientHeight;
@@ -91,6 +100,8 @@ export class NodeFit {
       if (area + 1 < h) {
         this.fittedHeight = h;
         this.fit(); // ...unless the plan would be cut: then it grows, never shrinks
+      } else {
+        this.fittedHeight = null; // the saved height, not one fitted here (what the node showed before the plan came does not count)
       }
       return;
     }

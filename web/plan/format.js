@@ -15,8 +15,8 @@ const KIB = 1024;
 const MIB = 1024 ** 2;
 const GIB = 1024 ** 3;
 
-/** Bytes as Python writes them (vramcut_core/model/tensors.py fmt_bytes), so the node, its
- * tooltips and the table Python wrote name one size the same way. */
+/** Bytes as Python writes them (model/tensors.py fmt_bytes), so that the table, drawn from
+ * Python's text, and the tooltips read the same figure the same way. */
 export function fmtBytes(n) {
   if (n === null || n === undefined || !Number.isFinite(n)) return "—";
   const a = Math.abs(n);

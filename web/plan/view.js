@@ -157,12 +157,13 @@ export class PlanView {
 
   /** The user opened or closed the details: a choice kept with the workflow like any other edit. */
   chooseDetails(on) {
+    const shown = this.fit.contentHeightNow();
     this.setDetails(on);
     const node = this.node;
     node.properties = node.properties || {};
     if (on) node.properties[VIEW_PROPERTY] = "details";
     else delete node.properties[VIEW_PROPERTY];
-    this.fit.contentChanged();
+    this.fit.contentChanged({ shown });
   }
 
   /** Warn about outputs that lead nowhere (the node's links changed, or a frame looked). */
@@ -217,6 +218,7 @@ export class PlanView {
   }
 
   toggleTable(show = !this.showTable) {
+    const shown = this.fit.contentHeightNow();
     this.showTable = show;
     this.pre.style.display = show ? "block" : "none";
     this.button.textContent = show ? "chart" : "table";
@@ -224,7 +226,7 @@ export class PlanView {
     this.el.dataset.view = show ? "table" : "chart";
     this.heightCache = null;
     this.scheduleDraw();
-    this.fit.contentChanged(); // every row shown: the node as tall as the table
+    this.fit.contentChanged({ shown }); // every row shown: the node as tall as the table
   }
 
   zoom() {
