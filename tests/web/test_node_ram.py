@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 RAM_BUDGET_GB = 0.05     # the SD VAE's weights are about 320 MiB: most of its blocks on disk
 RAM_COLOR = "#009e73"    # web/plan/theme.js COLORS.ram
 DISK_COLOR = "#d55e00"   # COLORS.disk
+BOUNCE_COLOR = "#cc79a7" # COLORS.bounce
 
 # fmtBytes (web/plan/format.js) on each number, in the page
 FMT_JS = """
@@ -114,6 +115,21 @@ def test_ram_is_drawn_beside_vram_and_the_answer_says_the_disk_reads_per_call(co
     assert not said, said
     assert v["fits"] and not [x for x in texts if x["text"].endswith("…")], texts
     assert all(x["x"] >= -0.5 and x["x"] + x["w"] <= v["W"] + 0.5 for x in texts), [x for x in texts if x["x"] + x["w"] > v["W"]]
+
+    # on a GPU (figures as the CUDA path sends them): the bounce buffer drawn, the page-locked part said
+    gpu = json.loads(json.dumps(raw))
+    g = gpu["models"][0]["tiers"]
+    g["bounce_bytes"] = g["load"]["bounce_bytes"] = 4 << 20
+    g["host_bytes"] = g["ram_bytes"] + g["bounce_bytes"]
+    g["load"]["page_locked_bytes"] = g["ram_bytes"]
+    browser.execute_script("app.graph.getNodeById(arguments[0]).vramcutShow(arguments[1])", cut, gpu)
+    time.sleep(0.5)
+    px = browser.execute_script(tb.NODE_PIXELS_JS, cut, {"bounce": (BOUNCE_COLOR, tb.COLOR_TOLERANCE)})
+    assert px["bounce"] > 20, px
+    (gpu_tip,) = [x for x in _tips(browser, cut) if x.startswith("RAM ")]
+    assert f"Bounce buffer: {fmt_bytes(4 << 20)}" in gpu_tip, gpu_tip
+    assert f"{fmt_bytes(g['ram_bytes'])} of them page-locked (underlined)" in gpu_tip, gpu_tip
+    assert "bounce" in " ".join(x["text"] for x in _view(browser, cut)["texts"] if x["kind"] == "legend")
 
     # without a RAM budget the node is as before: no RAM row, no disk in the answer, no RAM legend
     plain = json.loads(json.dumps(raw))

@@ -40,7 +40,8 @@ export function ramRow(m) {
   const text = `RAM ${gib(f.host)} / ${gib(f.budget)} GiB: ${count(n(c.device), m.plan)} on the device, ` +
     `${n(c.ram)} in RAM, ${n(c.disk)} on disk`;
   const load = t.load;
-  const locked = load ? `, ${fmtBytes(n(load.page_locked_bytes))} of them page-locked`
+  const locked = load ? `, ${fmtBytes(n(load.page_locked_bytes))} of them page-locked` +
+      (n(load.page_locked_bytes) ? " (underlined)" : "")
     : ", page-locked where the limit allows (measured after the first call)";
   const rate = t.disk_bytes_per_s ? ` at ${(t.disk_bytes_per_s / 1e9).toFixed(2)} GB/s` : "";
   const tip = [
@@ -108,6 +109,9 @@ export function drawRam(pen, m, details) {
   const y = pen.y;
   paintTrack(pen, y, bx(f.budget), barH);
   pen.rect(0, y + 1, bx(f.ram), barH - 2, COLORS.ram);
+  // the page-locked part of the flat copies (measured once they were made), underlined
+  const locked = Math.min(f.ram, n(m.tiers.load?.page_locked_bytes));
+  if (locked) pen.rect(0, y + barH - 3, bx(locked), 2, theme.strong);
   pen.rect(bx(f.ram), y + 1, bx(f.bounce), barH - 2, COLORS.bounce);
   if (f.disk) pen.rect(bx(edge) + 2, y + 1, Math.max(1, bx(f.disk) - 2), barH - 2, COLORS.disk);
   const lx = Math.min(W - 1, Math.max(1, bx(f.budget)));
