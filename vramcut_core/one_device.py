@@ -93,6 +93,13 @@ class DeviceSide:
             if not hold and not ex.running:
                 ex.restore_weights()
 
+    def rest(self) -> None:
+        """The end of a run: the module whole again, the buffers kept (``SegmentedExecutor.rest``)."""
+        for ex in self.executors:
+            ex.hold_weights = False
+            if not ex.running:
+                ex.rest()
+
     def weights_changed(self) -> None:
         """The host wrote into the module's weights in place (hook LoRAs between forwards):
         device copies held between forwards are copied again before the next forward reads them."""
@@ -180,6 +187,9 @@ class OneDevice(DeviceSide):
         return self.planner.measured_plan(meas, TRACED)
 
     def plan_json(self, shape, out: dict) -> dict:
+        load = self.executor.masters.tiers.load_json() if isinstance(out.get("tiers"), dict) else None
+        if load is not None:  # under a RAM budget, once the tiers were applied: measured
+            out["tiers"]["load"] = load
         return out
 
     # -- inside ------------------------------------------------------------------------------
