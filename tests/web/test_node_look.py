@@ -4,7 +4,7 @@ workflow, and (opt-in) the pictures in docs/.
 
 Each check reads what is drawn (the canvas's pixels, the boxes of the texts the plan drew, the
 DOM's boxes), not only the DOM's text. The page helpers are test_browser.py's; this module starts
-its own server and browser (module-scoped fixtures in conftest.py).
+its own browser (a module-scoped fixture in conftest.py; the server is the session's, its prompt cache dropped for each module).
 
 The pictures in docs/ and the template thumbnails are written by test_docs_pictures.py.
 """
