@@ -180,6 +180,9 @@ class OneDevice(DeviceSide):
         return self.planner.measured_plan(meas, TRACED)
 
     def plan_json(self, shape, out: dict) -> dict:
+        load = self.executor.masters.tiers.load_json() if isinstance(out.get("tiers"), dict) else None
+        if load is not None:  # under a RAM budget, once the tiers were applied: measured
+            out["tiers"]["load"] = load
         return out
 
     # -- inside ------------------------------------------------------------------------------

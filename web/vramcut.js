@@ -3,7 +3,7 @@
 // This entry registers the one extension and chains the node's prototype methods (never replacing
 // them); everything else is in plan/: payload.js (reading what Python sent), format.js (its words
 // and numbers), draw.js (the canvas; labels.js names its segment bars, pen.js fits and records its
-// text), table.js (the table view), view.js (the DOM widget, its tooltip, and attaching it to a
+// text; ram.js the RAM row under max_ram_gb), table.js (the table view), view.js (the DOM widget, its tooltip, and attaching it to a
 // node), fit.js (sizing the node around the plan), node.js (the collapsed title, unused outputs)
 // and history.js (which plan is a node's: live events, this page's plans, the server's history).
 //

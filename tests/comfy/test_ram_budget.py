@@ -79,8 +79,15 @@ def test_max_ram_reads_what_does_not_fit_from_disk(comfy, pack, max_vram, tmp_pa
         assert os.path.getsize(files[0]) == engine.executor.masters.tiers.cache_bytes
     for n in t.disk_units:  # no RAM copy of their own left
         assert all(hm.file_backed([ut.tensor for ut in engine.planner.unit(n).tensors]))
-    (entry,) = [m for m in payload["models"] if m["kind"] == "MODEL"] or [None]
-    assert entry is None or "tiers" in entry or entry["stage"] != "ran"
+    # the node's entry after the run: the tiers, and what the load cost (the node's load line)
+    (entry,) = [m for m in payload["models"] if m["kind"] == "MODEL"]
+    assert entry["stage"] == "measured" and entry["tiers"]["disk_bytes_per_call"] == t.disk_bytes_per_call
+    load = entry["tiers"]["load"]
+    assert load == engine.executor.masters.tiers.load_json()
+    if path == "load_torch_file":  # the host's loader held them in anonymous memory: cached, released
+        assert load["cached_bytes"] > 0 and load["mapped_bytes"] == 0 and load["released_bytes"] is not None
+    else:
+        assert load["mapped_bytes"] > 0
 
 
 def test_max_ram_on_the_simulated_accelerator_reads_through_the_bounce_buffer(sim, pack, tmp_path, monkeypatch):

@@ -20,7 +20,8 @@ from toys import TransformerStack, seeded
 from vramcut_core import Engine, EngineConfig, gib_text, gib_to_bytes
 from vramcut_core.planning.plan import PlanUnit, build_plan
 from vramcut_core.runtime import disk, host_memory as hm
-from vramcut_core.planning.tiers import DEVICE, DISK, RAM, HostUnit, RamBudgetError, choose, tiers_text
+from vramcut_core.planning.report import tiers_text
+from vramcut_core.planning.tiers import DEVICE, DISK, RAM, HostUnit, RamBudgetError, choose
 
 
 @pytest.fixture(autouse=True)
@@ -321,3 +322,58 @@ def test_plan_cli_prints_the_tiers_under_a_ram_budget(tmp_path, capsys):
     assert "0 read from disk" in capsys.readouterr().out
     rc, err = run_cli(["plan", str(path), "--max-vram", "12", "--max-ram", "0.1"], capsys)
     assert rc == 2 and "the smallest max_ram_gb that works is 0.125" in err and len(err.strip().splitlines()) == 1
+
+
+# -- what the load cost (the node's load line) ------------------------------------------------
+
+def test_the_load_cost_is_measured_the_host_copy_written_once_and_its_ram_released(tmp_path):
+    """Weights the host loaded into anonymous memory (two blocks of 128 MiB: allocations that big
+    are mapped and returned whole when freed): the move under the RAM budget writes them to the
+    cache file (``cached_bytes``, its time), and the process's anonymous memory falls by about
+    as much (``released_bytes``, measured); nothing is mapped from a checkpoint. Before the first
+    call nothing has moved and nothing is said."""
+    model = seeded(TransformerStack(d=2048, depth=2))
+    with torch.no_grad():
+        ref = model(ids())
+    eng = Engine(model, EngineConfig(budget_bytes=budget_for(model, ids()), device="cpu", ram_budget_bytes=1 << 20))
+    assert "load" not in eng.describe()["plan"]["tiers"], "nothing moved before a call"
+    with torch.no_grad():
+        assert torch.equal(eng.run(model, ids()), ref)
+    load = eng.describe()["plan"]["tiers"]["load"]
+    big = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+    assert load["mapped_bytes"] == 0 and load["cached_bytes"] >= big
+    assert load["cache_file_bytes"] == eng.executor.masters.tiers.cache_bytes >= load["cached_bytes"]
+    assert 0 < load["write_s"] <= load["move_s"]
+    assert load["released_bytes"] >= 0.8 * big, (load["released_bytes"], big)
+    assert load["ram_bytes"] == eng.executor.masters.tiers.host_bytes() and load["page_locked_bytes"] == 0
+
+
+def test_the_load_cost_of_mapped_weights_is_what_the_checkpoint_holds(tmp_path):
+    """Weights mapped from their checkpoint: the disk-tier blocks are read from it (``mapped_bytes``
+    their bytes), nothing written to a cache file."""
+    model = mapped(lambda: TransformerStack(d=64), tmp_path)
+    eng = cpu_engine(model, 40_000)
+    run(eng, model, 2)
+    t, load = eng.last_plan.tiers, eng.describe()["plan"]["tiers"]["load"]
+    reads = eng.executor.masters.tiers
+    assert load["cached_bytes"] == load["cache_file_bytes"] == 0 and load["write_s"] == 0
+    assert load["mapped_bytes"] == sum(reads.host_unit(n).read_bytes for n, k in t.tier if k != RAM) > 0
+    assert load["ram_bytes"] == t.ram_bytes
+
+
+@pytest.mark.parametrize("where", ["anonymous", "mapped"])
+def test_inference_tensors_as_the_host_loads_a_vae_run_under_a_ram_budget(tmp_path, where):
+    """Weights that are inference tensors (a host that loads under inference mode, as ComfyUI's
+    VAE loader does, from a mapped checkpoint or into RAM) keep no version counter: the tiers
+    run them all the same."""
+    with torch.inference_mode():
+        model = mapped(lambda: TransformerStack(d=64), tmp_path) if where == "mapped" else seeded(TransformerStack(d=64))
+        if where == "anonymous":
+            for p in model.parameters():
+                p.data = p.data.clone()
+    assert next(model.parameters()).is_inference()
+    eng = cpu_engine(model, 40_000)
+    with torch.inference_mode():
+        outs = [eng.run(model, ids()) for _ in range(2)]
+    assert all(torch.equal(o, reference()) for o in outs)
+    assert eng.last_plan.tiers.disk_units and eng.last_stats.disk_bytes_read == eng.last_plan.tiers.disk_bytes_per_call

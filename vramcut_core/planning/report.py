@@ -7,7 +7,7 @@ import json
 from .budget import budget_gib, need_gib
 from .plan import Plan
 from ..model.tensors import fmt_bytes
-from .tiers import tiers_text, tiers_to_json
+from .tiers import DEVICE, DISK, RAM, Tiers, tiers_to_json
 
 
 @dataclasses.dataclass
@@ -243,12 +243,30 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
         out.append(f"planned again for {budget_gib(plan.refit.budget_bytes)} (was "
                    f"{budget_gib(plan.refit.previous_budget_bytes)}): {plan.refit.reason}")
     if plan.tiers is not None:
-        out.append(tiers_text(plan.tiers))
+        out.append(tiers_text(plan.tiers, parts=bool(plan.split)))
     if steady is not None and steady.forwards:
         n = steady.forwards
         out.append(f"per call after measuring ({n}): streamed {fmt_bytes(steady.bytes_streamed // n)} in "
                    f"{steady.copies / n:g} cop{'y' if steady.copies == n else 'ies'}, wait {steady.time_wait_s / n:.3f} s")
     return "\n".join(out)
+
+
+def tiers_text(t: Tiers, parts: bool = False) -> str:
+    """One line for the CLI and the node's table, in the node's words (a unit is a block, or a
+    part where blocks were cut finer: ``parts``) and sizes (``fmt_bytes``, as the node writes
+    them): the three tiers, the reads per call and their predicted time, the bounce buffer."""
+    c = tiers_to_json(t)["units"]
+    word = "part" if parts else "block"
+    n = lambda k: f"{k} {word}{'' if k == 1 else 's'}"  # noqa: E731
+    line = (f"host tiers under {t.ram_budget_bytes / 1024**3:.3f} GiB RAM: {n(c[DEVICE])} on the device, "
+            f"{c[RAM]} in RAM ({fmt_bytes(t.ram_bytes)}), {c[DISK]} read from disk "
+            f"({fmt_bytes(t.disk_bytes_per_call)} per call")
+    s = t.disk_s_per_call
+    line += (f", {s:.3f} s predicted at {t.disk_bytes_per_s / 1e9:.2f} GB/s)" if s is not None
+             else ", disk rate not measured)")
+    if t.bounce_bytes:
+        line += f"; bounce buffer {fmt_bytes(t.bounce_bytes)}"
+    return line
 
 
 def dumps(obj) -> str:

@@ -154,16 +154,3 @@ def tiers_to_json(t: Tiers | None, plan: Plan | None = None) -> dict | None:
         "units": counts,
         "tier": {n: k for n, k in t.tier},
     }
-
-
-def tiers_text(t: Tiers) -> str:
-    """One line for the CLI and the node: the three tiers and the reads per call."""
-    c = tiers_to_json(t)["units"]
-    line = (f"host tiers under {t.ram_budget_bytes / 1024**3:.3f} GiB RAM: {c[DEVICE]} units on the device, "
-            f"{c[RAM]} in RAM ({t.ram_bytes / 1024**3:.3f} GiB), {c[DISK]} read from disk "
-            f"({t.disk_bytes_per_call / 1024**3:.3f} GiB per call")
-    s = t.disk_s_per_call
-    line += f", {s:.3f} s at {t.disk_bytes_per_s / 1e9:.2f} GB/s)" if s is not None else ", disk rate not measured)"
-    if t.bounce_bytes:
-        line += f"; bounce buffer {t.bounce_bytes / 1024**2:.0f} MiB"
-    return line

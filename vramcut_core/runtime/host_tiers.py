@@ -9,10 +9,18 @@ host bytes the pack holds. A unit moving to disk drops its flat master and its t
 mapped from the file again (no RAM of its own); a unit moving to RAM gets its master from
 ``host_memory.HostMasters`` when it is first copied. The one rule: a read is made only after
 ``check`` has found every file as it was, and from a file whose bytes are the tensors'.
+
+What the move cost is measured as it happens (``LoadCost``, ``load_json``): the bytes found in
+the checkpoint the host's loader mapped (no copy in RAM), the bytes its loader held in anonymous
+memory (read in, or cast on load) and the time their cache file took to write, and how much the
+process's anonymous memory fell while the units left RAM (``RssAnon``: what the host's load had
+held beyond the budget, now released, unless something else still holds it).
 May call torch, ``quant``, ``layout``, ``disk`` and ``host_memory``.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Callable
 
 import torch
@@ -33,6 +41,39 @@ def _tensors(unit: Unit, lay: Layout) -> list[tuple[int, torch.Tensor]]:
     return sorted(out, key=lambda x: x[0])
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's version counter; None for an inference tensor (a host that loaded its weights
+    under inference mode: ComfyUI's VAE), which keeps none. Such a tensor can be written in place
+    only inside inference mode, and a write there is not seen: its address still is."""
+    try:
+        return t._version
+    except RuntimeError:  # (a parameter holding inference data says is_inference() False)
+        return None
+
+
+def anonymous_bytes() -> int | None:
+    """The process's anonymous resident memory (``RssAnon`` of ``/proc/self/status``); None where
+    the system does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclasses.dataclass
+class LoadCost:
+    """What moving the units out of RAM cost, measured (summed over every move)."""
+
+    cached_bytes: int = 0             # in anonymous memory as the host loaded them: written to the cache file
+    write_s: float = 0.0              # writing them
+    move_s: float = 0.0               # the whole move (finding the files, writing, mapping)
+    released_bytes: int | None = None  # the fall of the process's anonymous memory (None: not measurable)
+
+
 class HostTiers:
     """One executor's units under the plan's tiers (inactive without a RAM budget)."""
 
@@ -43,6 +84,7 @@ class HostTiers:
         self._seen: dict[str, tuple] = {}       # unit -> (addresses, versions) when its reads were made
         self._cache: disk.CacheFile | None = None
         self._rate: tuple[float | None] | None = None
+        self.load = LoadCost()
 
     def host_unit(self, name: str) -> HostUnit:
         lay = self._layout(name)
@@ -74,20 +116,29 @@ class HostTiers:
         self.tiers = tiers
         if tiers is None:
             return
-        for name, t in tiers.tier:
-            if t != RAM and self.host_unit(name).fileable:
+        moving = [n for n, t in tiers.tier if t != RAM and self.host_unit(n).fileable and not self._made(n)]
+        if moving:
+            before, t0 = anonymous_bytes(), time.perf_counter()
+            for name in moving:
                 self._to_disk(name)
+            after = anonymous_bytes()
+            self.load.move_s += time.perf_counter() - t0
+            if before is not None and after is not None:
+                self.load.released_bytes = (self.load.released_bytes or 0) + max(0, before - after)
         for name, t in tiers.tier:  # the masters, made here (outside any forward's meter)
             if t == RAM:
                 self._masters.get(name)
 
     def _state(self, name: str) -> tuple:
         ts = _tensors(self._unit(name), self._layout(name))
-        return tuple(t.data_ptr() for _, t in ts), tuple(t._version for _, t in ts)
+        return tuple(t.data_ptr() for _, t in ts), tuple(_version(t) for _, t in ts)
+
+    def _made(self, name: str) -> bool:
+        return name in self._reads and self._seen.get(name) == self._state(name)
 
     def _to_disk(self, name: str) -> None:
         """Make unit ``name``'s reads (once, and again where its tensors moved or were written)."""
-        if name in self._reads and self._seen.get(name) == self._state(name):
+        if self._made(name):
             return
         m = self._masters.masters.pop(name, None)
         if m is not None:
@@ -114,7 +165,10 @@ class HostTiers:
             if self._cache is None:
                 self._cache = disk.CacheFile()
             chunks = [t.detach().reshape(-1).view(torch.uint8) for _, t in missing]
+            t0 = time.perf_counter()
             base = self._cache.append(chunks)
+            self.load.write_s += time.perf_counter() - t0
+            self.load.cached_bytes += sum(sizes[off] for off, _ in missing)
             f = disk.weight_file(self._cache.path)
             pos = base
             for off, t in missing:
@@ -181,6 +235,25 @@ class HostTiers:
         b = sum(m.buf.numel() for m in self._masters.masters.values())
         bounce = self._masters._bounce
         return b + (bounce.nbytes if bounce is not None else 0)
+
+    def load_json(self) -> dict | None:
+        """What the host holds and what the move out of RAM cost, measured (None before the tiers
+        were applied): ``mapped_bytes`` read from the checkpoint the host mapped (never copied in
+        RAM), ``cached_bytes`` the host's loader held in anonymous memory (written to the cache
+        file in ``write_s``), ``released_bytes`` the fall of the process's anonymous memory while
+        they left RAM, ``move_s``; and held now: ``ram_bytes`` of flat masters,
+        ``page_locked_bytes`` of them page-locked, ``bounce_bytes``."""
+        if self.tiers is None or not self._reads:
+            return None
+        cache = self._cache.path if self._cache is not None else None
+        masters = list(self._masters.masters.values())
+        bounce = self._masters._bounce
+        return {**dataclasses.asdict(self.load),
+                "mapped_bytes": sum(n for rs in self._reads.values() for _, f, _, n in rs if f.path != cache),
+                "cache_file_bytes": self.cache_bytes,
+                "ram_bytes": sum(m.buf.numel() for m in masters),
+                "page_locked_bytes": sum(m.buf.numel() for m in masters if m.page_locked),
+                "bounce_bytes": bounce.nbytes if bounce is not None else 0}
 
     @property
     def cache_bytes(self) -> int:

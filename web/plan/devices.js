@@ -8,7 +8,7 @@
 import { COLORS, FONT_FALLBACK } from "./theme.js";
 
 const MESSAGE_WIDGET = "vramcut_devices_message";
-const GIB_WIDGETS = new Set(["max_vram_gb", "reserve_gb"]);
+const GIB_WIDGETS = new Set(["max_vram_gb", "reserve_gb", "max_ram_gb"]);
 
 /** Budgets step by 0.05 GiB and round to 0.001 GiB; the host shows (and keeps) as many decimals
  * as the step has, so 30.1234 read and stored 30.12: show and keep the three the rounding keeps. */

@@ -206,6 +206,11 @@ function drawLegend(pen, payload, details) {
   if (details || has((p) => p.window_bytes)) items.push(["streamed", COLORS.streamed]);
   if (has((p) => p.activation_reserve_bytes)) items.push(["activations", COLORS.activation]);
   if (details && summarize(payload).idle) items.push(["idle", COLORS.idle]);
+  // under max_ram_gb, the RAM bar's parts
+  const tiers = payload.models.map((m) => m.tiers).filter(Boolean);
+  if (tiers.length) items.push(["RAM", COLORS.ram]);
+  if (tiers.some((t) => Number(t.bounce_bytes) > 0)) items.push(["bounce", COLORS.bounce]);
+  if (tiers.some((t) => Number(t.disk_bytes) > Number(t.resident_disk_bytes ?? 0))) items.push(["disk", COLORS.disk]);
   items.push(["budget", null]);
   const font = pen.font(11);
   ctx.font = font;

@@ -45,7 +45,7 @@ function pct(a, b) {
   return b > 0 ? `${Math.round((100 * a) / b)} %` : "—";
 }
 
-function fmtSeconds(s) {
+export function fmtSeconds(s) {
   if (s === null || s === undefined || !Number.isFinite(Number(s))) return "?";
   s = Number(s);
   if (s >= 10) return `${s.toFixed(0)} s`;
@@ -146,8 +146,20 @@ export function answer(m, payloadBudget, refused = null) {
   // the time line under the answer says what the plan is predicted (then measured) to take
   if (m.time) time = null;
   if (plan.devices?.length) return devicesAnswer(m, c, time, source);
-  if (!time) return { fits, verdict, vram, stream, time, source, short, line: `${verdict} · ${vram} · ${stream}` };
-  return { fits, verdict, vram, stream, time, source, short, line: `${verdict} · ${vram} · ${stream} · ${time}` };
+  const disk = diskAnswer(m.tiers);
+  const line = [verdict, vram, stream, disk, time].filter(Boolean).join(" · ");
+  return { fits, verdict, vram, stream, disk, time, source, short, line };
+}
+
+/** Under max_ram_gb: the bytes read from disk per call and their predicted time (the plan's
+ * tiers: blocks on disk, read at the disk's measured rate); null without a RAM budget. */
+function diskAnswer(t) {
+  if (!t) return null;
+  const b = Number(t.disk_bytes_per_call ?? 0);
+  if (!(b > 0)) return "nothing from disk";
+  const s = t.disk_s_per_call;
+  return `${fmtBytes(b)} from disk / call ` +
+    (s === null || s === undefined ? "(disk rate not measured)" : `(+${fmtSeconds(s)} predicted)`);
 }
 
 /** The answer across devices: fits (every device within its own budget, Python's verdict), the
@@ -296,10 +308,28 @@ export function costTip(m) {
   }
   if (c.added_source !== "measured" && m.plan.stats?.forwards)
     lines.push("The first call only measured the shapes (every block through one slot, once per shape).");
+  if (m.tiers) lines.push(...diskTip(m));
   if (m.kind === "MODEL")
     lines.push("A call is one run of the model through its blocks: with CFG above 1 a sampler step is usually one call of batch 2.");
   lines.push(`Bandwidth ${bw} (${where}, measured once on this machine).`);
   return lines.join("\n");
+}
+
+/** The answer's disk part explained: the blocks read from disk each call, at what rate, and
+ * (after calls that ran the plan) what they read, measured. */
+function diskTip(m) {
+  const t = m.tiers;
+  const b = Number(t.disk_bytes_per_call ?? 0);
+  if (!(b > 0)) return ["Nothing is read from disk: every block that runs is on the device or in RAM."];
+  const rate = t.disk_bytes_per_s ? `${(t.disk_bytes_per_s / 1e9).toFixed(2)} GB/s` : null;
+  const out = [`Read from disk per call: ${fmtBytes(b)} (the blocks that do not fit max_ram_gb, every call)` +
+    (rate ? `, +${fmtSeconds(t.disk_s_per_call)} predicted at ${rate} (this disk's cold reads, measured once).`
+      : "; the disk's read rate is not measured yet.")];
+  const st = m.plan.steady_stats;
+  if (st?.forwards > 0 && Number.isFinite(Number(st.disk_bytes_read)))
+    out.push(`Measured: ${fmtBytes(Number(st.disk_bytes_read) / st.forwards)} read from disk per call ` +
+      `over ${plural(st.forwards, "call", "calls")} after the measuring one.`);
+  return out;
 }
 
 /** The fix for a budget that is too small, from what the error carried: one number, the one

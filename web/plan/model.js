@@ -1,5 +1,6 @@
 // One model's part of the plan: its title and stage badge, the answer line, the time and re-plan
-// lines, the VRAM bar (one per device when placed across several), and with the details every
+// lines, the VRAM bar (one per device when placed across several), under max_ram_gb the RAM
+// row and bar (ram.js), and with the details every
 // segment, the counts and every warning. Each draw function leaves the pen below what it drew
 // and adds the hover regions for its tooltips.
 // Rule: draw Python's figures, never recompute the plan; touch no DOM but the canvas context,
@@ -9,7 +10,8 @@ import { answer, blockCount, copies, costTip, deviceRow, fmtBytes, gib, gibText,
   segmentContents, segmentCounts, sharedPrefix, shortSegmentName, timeLine } from "./format.js";
 import { COLORS, inkOn } from "./theme.js";
 import { groupLabels, labelChoices, pickLabels } from "./labels.js";
-import { fitText, roundRect, wrapText } from "./pen.js";
+import { fitText, paintTrack, roundRect, wrapText } from "./pen.js";
+import { drawRam } from "./ram.js";
 
 const ACT_H = 22;             // the activation row above the segment bars (the tallest is this high)
 const ACT_MIN_H = 4;          // an activation, however small, stays visible
@@ -38,6 +40,7 @@ export function drawModel(pen, m, idx, payloadBudget, details, refused = null) {
   if (r) drawLine(pen, r.text, pen.theme.warning, "refit", r.tip);
   if (m.plan.devices.length) drawDevices(pen, m.plan);
   else drawBar(pen, m.plan, budget);
+  if (m.tiers) drawRam(pen, m, details); // under max_ram_gb: RAM beside VRAM
   if (!details) {
     drawWarningLine(pen, m.warnings);
     pen.y += 3;
@@ -85,7 +88,7 @@ function drawAnswer(pen, m, a) {
   const answerTop = pen.y;
   // the parts flow onto as many rows as the width needs, each part whole
   const parts = [[a.verdict, a.fits ? theme.fits : COLORS.over, verdictFont],
-    ...[a.vram, a.stream, a.hops, a.time].filter(Boolean).map((t) => [t, theme.fg, restFont])];
+    ...[a.vram, a.stream, a.hops, a.disk, a.time].filter(Boolean).map((t) => [t, theme.fg, restFont])];
   let x = 0;
   const place = (s, color, font) => {
     pen.text(s, x, pen.y + 8, color, font, "left", null, "answer");
@@ -188,16 +191,7 @@ function drawBar(pen, plan, budget, tip = null) {
   const bx = (b) => (b / scale) * W;
   pen.y += 3;
   const y = pen.y;
-  if (pen.paint) {
-    ctx.save();
-    roundRect(ctx, 0, y, Math.max(1, bx(budget)), barH, 3);
-    ctx.fillStyle = theme.track;
-    ctx.fill();
-    ctx.strokeStyle = theme.border;
-    ctx.lineWidth = 1;
-    ctx.stroke();
-    ctx.restore();
-  }
+  paintTrack(pen, y, bx(budget), barH);
   let x = 0;
   for (const [bytes, color] of [[res, COLORS.resident], [win, COLORS.streamed], [act ?? 0, COLORS.activation]]) {
     const w = bx(bytes);

@@ -13,7 +13,12 @@
 //            window_bytes, activation_bytes, streamed_bytes_per_call, copies_per_call, segments}]),
 //            hops? ([{src, dst, unit, bytes}]), hop_bytes_per_call?, hops_per_call?},
 //            time? ({predicted_s, resident_s, added_s, ratio, measured_s, error, source}: the node's
-//            time line, per call), refit? ({reason, budget_bytes, previous_budget_bytes})}],
+//            time line, per call), refit? ({reason, budget_bytes, previous_budget_bytes}),
+//            tiers? (under max_ram_gb: {ram_budget_bytes, ram_bytes, bounce_bytes, host_bytes,
+//            disk_bytes, disk_bytes_per_call, disk_s_per_call, disk_bytes_per_s,
+//            resident_disk_bytes, units: {device, ram, disk}, tier, load? (measured once the
+//            blocks moved: {mapped_bytes, cached_bytes, write_s, released_bytes, move_s,
+//            ram_bytes, page_locked_bytes, bounce_bytes})})}],
 //  devices? ([{device, budget_bytes (null: free VRAM less the reserve)}]: the Devices node's list)}
 // The node-level min_budget_bytes is the largest of the refused models' (the one budget that
 // makes every connected model fit: each gets the whole budget in turn).
@@ -49,6 +54,9 @@ export function normalizePayload(p) {
         need_bytes: positive(m.need_bytes),
         time: isObject(m.time) && Number.isFinite(Number(m.time.predicted_s)) ? m.time : null,
         refit: isObject(m.refit) && Number.isFinite(Number(m.refit.budget_bytes)) ? m.refit : null,
+        // under max_ram_gb only: where each block's host copy is (the plan's "tiers")
+        tiers: isObject(m.tiers) && Number(m.tiers.ram_budget_bytes) > 0 ? m.tiers
+          : isObject(plan.tiers) && Number(plan.tiers.ram_budget_bytes) > 0 ? plan.tiers : null,
         plan: {
           ...plan,
           segments: asArray(plan.segments).filter((s) => s && typeof s === "object"),

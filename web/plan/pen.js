@@ -69,6 +69,20 @@ export function roundRect(ctx, x, y, w, h, r) {
   ctx.closePath();
 }
 
+/** A bar's track, from the left to its budget line (`w` wide): the page's input background, framed. */
+export function paintTrack(pen, y, w, h) {
+  if (!pen.paint) return;
+  const { ctx, theme } = pen;
+  ctx.save();
+  roundRect(ctx, 0, y, Math.max(1, w), h, 3);
+  ctx.fillStyle = theme.track;
+  ctx.fill();
+  ctx.strokeStyle = theme.border;
+  ctx.lineWidth = 1;
+  ctx.stroke();
+  ctx.restore();
+}
+
 /**
  * What the draw functions share: the context, the width W, the theme, `paint` (off: measure
  * only), the running `y` and the hover regions [{x, y, w, h, tip, section?}].

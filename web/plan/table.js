@@ -8,6 +8,7 @@
 
 import { isIdle } from "./payload.js";
 import { answer, blockCount, fmtBytes, refusalFor, segmentCounts } from "./format.js";
+import { loadLine } from "./ram.js";
 
 const COLUMNS = [
   // [heading, width, align]; the segment column takes what is left (the names in execution order)
@@ -97,6 +98,8 @@ export function fillTable(el, payload) {
     const cut = text.indexOf("\n\n");
     for (const l of (cut >= 0 ? text.slice(cut + 2) : "").split("\n").filter(Boolean))
       block.append(line(l, { color: "var(--descrip-text, #999)" }));
+    const load = loadLine(m);  // under max_ram_gb, once the blocks moved: what the load cost
+    if (load) block.append(line(load.text, { color: "var(--descrip-text, #999)" }));
     if (m.traced_at) block.append(line(`traced at ${m.traced_at} (a dry run: nothing has run yet)`, { color: "var(--descrip-text, #999)" }));
     else if (m.inputs) block.append(line(`measured at ${m.inputs}`, { color: "var(--descrip-text, #999)" }));
     el.append(block);

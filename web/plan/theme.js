@@ -15,6 +15,11 @@ export const COLORS = {
   streamed: "#e69f00",
   activation: "#56b4e9",
   idle: "#6b7280",
+  // under max_ram_gb (the RAM bar): flat copies in RAM, the bounce buffer, the blocks on disk
+  // (Okabe-Ito's bluish green, reddish purple and vermillion)
+  ram: "#009e73",
+  bounce: "#cc79a7",
+  disk: "#d55e00",
   over: "#ef4444",
   measured: "#16a34a",
   traced: "#0d9488",
