@@ -146,6 +146,11 @@ SURFACE: tuple[Use, ...] = (
                          "is merged on the host, the original kept in .backup (0.33.0 patches it per forward)"),
     Use(f"{MP}.unpatch_model", params=("device_to", "unpatch_weights"), kind="callable", newest=MP_SAME),
     Use(f"{MP}.detach", params=("unpatch_all",), kind="callable", newest=MP_SAME),
+    Use(f"{MP}.is_clone", params=("other",), kind="callable",
+        note="overridden: load_models_gpu asks the patcher it loads, then detaches every clone it finds; "
+             "a clone of the same patch is detached only to be loaded again (its engines keep their copies)",
+        newest=MP_SAME + "; comfy/model_management.py (load_models_gpu) detaches each clone with "
+                         "detach(unpatch_all=False), as 0.3.64 and 0.33.0 do"),
     Use(f"{MP}.unpin_all_weights", "guarded", kind="callable", hosts="0.33.0",
         note="overridden: inside a forward the host's unpin waits for the forward's end (nodes/patcher.py)",
         newest=MP_SAME + ": unpins each key of self.pinned through unpin_weight"),

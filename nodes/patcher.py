@@ -76,6 +76,8 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
             # another clone of this model left weights on the GPU: put them back first, or
             # ComfyUI would treat the model as loaded and keep them there
             self.unpatch_model(self.offload_device, unpatch_weights=True)
+        if st is not None:
+            st.loading()
         _take_from_dynamic(self.model)
         super().partially_load(device_to, extra_memory=1, force_patch_weights=False)
         return 0
@@ -139,20 +141,34 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         wait_all_copies()
         return super().unpin_all_weights()
 
+    def is_clone(self, other):
+        same = super().is_clone(other)
+        st = state_of(self) if same and hasattr(self, "attachments") else None
+        if st is not None and state_of(other) is st:
+            # the host's load_models_gpu asks the patcher it loads whether each loaded model is
+            # a clone, and detaches those that are: this patch's own clone (the same patcher, a
+            # later prompt) is detached only to be loaded again
+            st.reloading(other)
+        return same
+
     def detach(self, unpatch_all=True):
         st = state_of(self)
         if st is not None:
-            st.before_teardown()  # (the host's unpatch_model inside does it too; it is idempotent)
+            # (with unpatch_all the host's unpatch_model inside releases too; it is idempotent)
+            st.detaching(self, unpatch_all)
         try:
             return super().detach(unpatch_all=unpatch_all)
         finally:
             _give_back_to_dynamic(self.model)  # the host loads another clone of this model next
 
-    def patch_hooks(self, *args, **kwargs):
+    def patch_hooks(self, hooks=None, *args, **kwargs):
         st = state_of(self)
-        if st is not None:
-            weights_changing(st)  # hook weights are written in place: engines copy again
-        return super().patch_hooks(*args, **kwargs)
+        if st is not None and (hooks is not None or getattr(self, "hook_backup", None)):
+            # hook weights are written in place, or the originals put back: engines copy again
+            # (the host's cleanup after every run calls this with no hooks and nothing to put
+            # back: nothing is written, and the copies stay good for the next prompt)
+            weights_changing(st)
+        return super().patch_hooks(hooks, *args, **kwargs)
 
     def get_free_memory(self, device):
         # weights the engines hold between forwards are theirs to give back, not used memory:
@@ -226,7 +242,7 @@ def to_vramcut_patcher(patcher, state: PatchState):
         state.free_memory = lambda device: (ref() or mm).get_free_memory(device)
     state.fast_disk = host_fast_disk(patcher)
     clone.attachments[KEY] = state
-    for ctype, fn in ((CallbacksMP.ON_CLEANUP, state.finish), (CallbacksMP.ON_DETACH, state.release)):
+    for ctype, fn in ((CallbacksMP.ON_CLEANUP, state.finish), (CallbacksMP.ON_DETACH, state.detached)):
         clone.remove_callbacks_with_key(ctype, KEY)
         clone.add_callback_with_key(ctype, KEY, fn)
     if hasattr(CallbacksMP, "ON_PRE_RUN"):  # paired with ON_CLEANUP by the host's try/finally

@@ -119,6 +119,7 @@ class PatchState:
         self.teardown_pending = False  # the host tore the model down during a forward: release after it
         self._after_forward: list = []  # what the host's teardown left for the end of the running forward
         self.previewing = False  # a plan preview: calls reaching ``run`` give their traced plan, nothing runs
+        self._reloads: set[int] = set()  # clones the host detaches only to load this patch again
         _STATES.add(self)
 
     def on_model_patcher_clone(self):
@@ -188,6 +189,32 @@ class PatchState:
         self.release()
         return True
 
+    def reloading(self, patcher) -> None:
+        """The host is about to detach ``patcher``, a clone of this patch, only to load this patch
+        again (``load_models_gpu`` detaches every clone of the model it loads, the one it loads
+        included: a later prompt on the same model): the engines keep what they hold."""
+        self._reloads.add(id(patcher))
+
+    def loading(self) -> None:
+        """The host loads a clone of this patch: what ``reloading`` announced is settled."""
+        self._reloads.clear()
+
+    def detaching(self, patcher, unpatch_all: bool) -> None:
+        """The host detaches ``patcher``, a clone of this patch. To unload it (``unpatch_all``:
+        memory for another model, Unload models), or because another model of the same network
+        is loaded (the original, another patch of it) or the patcher is deleted, the engines give
+        everything back: the host no longer counts this model as loaded and would never unload it
+        again. Detached only to be loaded again (``reloading``), they keep it."""
+        kept = not unpatch_all and id(patcher) in self._reloads
+        self._reloads.discard(id(patcher))
+        if not kept:
+            self.before_teardown()
+
+    def detached(self, _patcher=None, unpatch_all: bool = True, *_a, **_kw) -> None:
+        """ON_DETACH: an unload gives everything back (``detaching`` decided the rest)."""
+        if unpatch_all:
+            self.release()
+
     def after_forward(self, fn) -> None:
         """Call ``fn()`` once no forward runs any more (after the engines let go of the weights)."""
         self._after_forward.append(fn)
@@ -202,9 +229,17 @@ class PatchState:
         self.report.send()
 
     def finish(self, *_args, **_kw) -> None:
-        """End of a run (ComfyUI's cleanup after sampling): release, and show on the node what
-        the run did (forwards, bytes streamed, measured peak)."""
-        self.release()
+        """End of a run (ComfyUI's cleanup after sampling): the module whole again (no held
+        weight, no hook), and the node shows what the run did (forwards, bytes streamed, measured
+        peak). The device buffers stay, so the next prompt on this patch copies nothing they
+        still hold; they go when the host unloads the model (the device memory they take counts
+        as used when it makes room for another model), when another model of the same network
+        is loaded, when the patches merged into them or the budgets change, and when the patch
+        is deleted (``detaching``, ``run``, ``refit``)."""
+        self.in_run = False
+        for e in self.engines():
+            if not e.running:
+                e.rest()
         for e in self.engines():
             if e.last_plan is not None and e.stats.forwards and not e.running:
                 self.report.set(self.kind, e, e.last_plan)

@@ -172,6 +172,33 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # --------------------------------------------------------------------------------------------
+# SD1.5 (UNet)
+# --------------------------------------------------------------------------------------------
+
+def load_tiny_sd15_unet(seed: int = 0):
+    """A ModelPatcher of an SD1.5-style UNet, built through the host's own model config
+    (``supported_models.SD15``, ``BaseModel``) at a tiny size, its weights seeded; inputs: a
+    latent (1, 4, 8, 8) and ``c_crossattn`` (1, tokens, 32)."""
+    import_comfy()
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet = dict(use_checkpoint=False, image_size=32, out_channels=4, use_spatial_transformer=True, legacy=False,
+                adm_in_channels=None, in_channels=4, model_channels=32, num_res_blocks=[1, 1],
+                transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1], channel_mult=[1, 2],
+                transformer_depth_middle=1, use_linear_in_transformer=False, context_dim=32,
+                use_temporal_resblock=False, use_temporal_attention=False, dtype=torch.float32)
+    cfg = comfy.supported_models.SD15(unet)
+    cfg.set_inference_dtype(torch.float32, None)
+    base = cfg.get_model({}, device=torch.device("cpu"))
+    g = _gen(seed)
+    with torch.no_grad():
+        for p in base.diffusion_model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------------------------
 # SD3 (MMDiT)
 # --------------------------------------------------------------------------------------------
 

@@ -339,6 +339,7 @@ class Engine:
         self.side.weights_changed()
 
     running = property(lambda self: self.side.running)   # a forward of this engine runs now
+    rest = property(lambda self: self.side.rest)   # rest(): between runs, the module whole, the buffers kept
     device = property(lambda self: self.executor.device)   # the home device: inputs and output
     held_bytes = property(lambda self: sum(self.side.held_bytes_by_device.values()))  # held now, all devices
     held_bytes_by_device = property(lambda self: self.side.held_bytes_by_device)

@@ -93,6 +93,13 @@ class DeviceSide:
             if not hold and not ex.running:
                 ex.restore_weights()
 
+    def rest(self) -> None:
+        """The end of a run: the module whole again, the buffers kept (``SegmentedExecutor.rest``)."""
+        for ex in self.executors:
+            ex.hold_weights = False
+            if not ex.running:
+                ex.rest()
+
     def weights_changed(self) -> None:
         """The host wrote into the module's weights in place (hook LoRAs between forwards):
         device copies held between forwards are copied again before the next forward reads them."""

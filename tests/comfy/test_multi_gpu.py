@@ -16,7 +16,8 @@ accelerator (``tests/sim_cuda.py``; the host believes its main device is ``cuda:
   memory of the device the placement gave it, and every device the placement uses was used
   (a donor device's allocation silently not used, ComfyUI-MultiGPU's DisTorch2 failure under
   dynamic VRAM, would fail here); the host's load moved no weight and holds nothing on any
-  device; after the run every weight is the host's own tensor again;
+  device; after the run every weight is the host's own tensor again, and once the host unloads
+  the model nothing is held on any device;
 * the same with the host's dynamic-VRAM patcher having loaded the model its way first: none of
   its virtual weight ranges is on a module while VRAMCut computes.
 """
@@ -52,31 +53,6 @@ def _g(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def _seed(module):
-    g = _g(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-
-
-def sd15_unet():
-    """A ModelPatcher of an SD1.5-style UNet, built through the host's own model config
-    (``supported_models.SD15``, ``BaseModel``) at a tiny size."""
-    import comfy.model_patcher
-    import comfy.supported_models
-
-    unet = dict(use_checkpoint=False, image_size=32, out_channels=4, use_spatial_transformer=True, legacy=False,
-                adm_in_channels=None, in_channels=4, model_channels=32, num_res_blocks=[1, 1],
-                transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1], channel_mult=[1, 2],
-                transformer_depth_middle=1, use_linear_in_transformer=False, context_dim=32,
-                use_temporal_resblock=False, use_temporal_attention=False, dtype=torch.float32)
-    cfg = comfy.supported_models.SD15(unet)
-    cfg.set_inference_dtype(torch.float32, None)
-    base = cfg.get_model({}, device=torch.device("cpu"))
-    _seed(base.diffusion_model)
-    return comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
-
-
 @dataclasses.dataclass
 class Family:
     load: Callable
@@ -84,7 +60,7 @@ class Family:
 
 
 FAMILIES = {
-    "sd15_unet": Family(sd15_unet, lambda: (torch.randn(1, 4, 8, 8, generator=_g(1)), torch.full((1,), 2.5),
+    "sd15_unet": Family(tm.load_tiny_sd15_unet, lambda: (torch.randn(1, 4, 8, 8, generator=_g(1)), torch.full((1,), 2.5),
                                             {"c_crossattn": torch.randn(1, 6, 32, generator=_g(2))})),
     "sd3_mmdit": Family(lambda: tm.load_tiny_sd3(depth=4, seed=1),
                         lambda: (torch.randn(1, 16, 8, 8, generator=_g(1)), torch.full((1,), 0.7),
@@ -275,12 +251,13 @@ def test_host_model_across_devices_exact_within_each_budget_weights_where_planne
     entry = state.report.payload["models"][0]
     assert entry["plan"]["devices"] and entry["plan"]["hops"] and entry["plan"]["cost"]["devices"] == n
 
-    # after the run: the host's tensors again, nothing held on any device
-    assert engine.held_bytes == 0
+    # after the run: the host's tensors again (the engines keep their device copies for the next
+    # prompt); once the host unloads the model, nothing held on any device
     for k, t in list(base.diffusion_model.named_parameters()) + list(base.diffusion_model.named_buffers()):
         assert t is host_tensors[k] or torch.equal(t, host_tensors[k]), k
         assert not sim.is_device(t), k
     mm.unload_all_models()
+    assert engine.held_bytes == 0
 
 
 def test_a_free_device_budget_follows_what_another_program_takes(simn, pack, max_vram, monkeypatch):

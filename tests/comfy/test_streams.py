@@ -27,10 +27,18 @@ def test_hook_patching_announces_the_write_and_free_memory_counts_held_weights(c
     calls = []
     orig = Engine.weights_changed
     Engine.weights_changed = lambda self: (calls.append(self), orig(self))[1]
+    key = "diffusion_model.x_embedder.proj.weight"
+    weight = dict(patched.model.named_parameters())[key]
     try:
+        # the host's cleanup after every run: no hooks, nothing to put back, nothing written
+        patched.patch_hooks(None)
+        assert calls == [], "nothing is written: the engines' copies stay good"
+        # hook weights to put back (the host writes the originals into the weights in place)
+        patched.hook_backup[key] = (weight.detach().clone(), weight.device)
         patched.patch_hooks(None)
     finally:
         Engine.weights_changed = orig
+        patched.hook_backup.clear()
     assert calls == engines, "every engine hears of the in-place write before it happens"
     dev = torch.device("cpu")
     mm_free = mm.get_free_memory

@@ -99,7 +99,7 @@ def test_teardown_between_steps_gives_held_weights_back_first(comfy, max_vram, p
     assert done
     assert torch.equal(out, ref), f"max diff {(out - ref).abs().max()}"
     no_move_while_held(moves)
-    assert all(e.executor.device_bytes == 0 for e in engines(pack, patched))
+    assert not any(e.executor.holds_weights for e in engines(pack, patched))
     assert_same(module, snap)
 
 
@@ -109,7 +109,7 @@ def test_teardown_inside_a_forward_waits_for_it(comfy, max_vram, pack, how):
     under it, and its device copies are given back once it has ended."""
     model, patched, module, snap, ref, pos, neg = setup(comfy, max_vram, pack)
     moves = watch_moves(pack, patched)
-    calls = []
+    calls, after = [], []
     block = module.joint_blocks[1]
 
     def hook(_mod, _args, _out):
@@ -120,15 +120,20 @@ def test_teardown_inside_a_forward_waits_for_it(comfy, max_vram, pack, how):
                 patched.unpatch_model(patched.offload_device, unpatch_weights=True)
             calls.append(True)
 
+    def step(i, *_a):   # the step whose forward saw the teardown has ended
+        if calls and not after:
+            after.append([(e.executor.device_bytes, e.executor.holds_weights) for e in engines(pack, patched)])
+
     h = block.register_forward_hook(hook)
     try:
-        out = sample(patched, pos, neg, LATENT, 4, None)
+        out = sample(patched, pos, neg, LATENT, 4, step)
     finally:
         h.remove()
     assert calls, "the teardown ran inside a forward"
+    assert after and all(held == (0, False) for held in after[0]), f"not given back once the forward ended: {after}"
     assert torch.equal(out, ref), f"max diff {(out - ref).abs().max()}"
     no_move_while_held(moves)
-    assert all(e.executor.device_bytes == 0 and not e.executor.holds_weights for e in engines(pack, patched))
+    assert not any(e.executor.holds_weights for e in engines(pack, patched))
     assert_same(module, snap)
 
 

@@ -106,11 +106,11 @@ def test_a_fixed_cost_per_copy_is_charged_per_unit_copied(sim, slots):
 
 
 def test_the_prediction_is_the_simulated_call_for_random_plans(sim):
-    """100 random plans (bench/bench_schedule.py runs 300 and writes docs/measurements.md): 4 to 8 blocks of random widths and passes, each streamed or resident,
+    """300 random plans: 4 to 8 blocks of random widths and passes, each streamed or resident,
     one or two slots, three link speeds, in a session or not: the steady call within 1 % of the
     simulator's, the first call of a session within 5 %."""
     rng = random.Random(38)
-    for _ in range(100):
+    for _ in range(300):
         err, first, drawn = tp.random_errors(sim, rng)
         assert err < 0.01, drawn
         assert first is None or first < 0.05, drawn

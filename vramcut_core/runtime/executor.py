@@ -16,7 +16,8 @@ not in its slot when entered copied at once; the copies issued for the next call
 
 The one rule: after a forward, an exception or an interrupt the module is exactly as it was
 (hooks removed, every tensor pointed back at its master in ``finally``), held weights excepted,
-which go back on release, an error, ``invalidate``, a new plan and any forward not ours.
+which go back on release, ``rest`` (the end of a run), an error, ``invalidate``, a new plan and
+any forward not ours.
 """
 from __future__ import annotations
 
@@ -239,6 +240,15 @@ class SegmentedExecutor:
         self.transfers.times.forget()
         self._stale_copies = False
         self.memory.clear()
+
+    def rest(self) -> None:
+        """Between runs: the module whole again (held weights pointed back at their masters, no
+        hooks on it); the device buffers and the copies in them stay for the next forward, which
+        installs its hooks again and copies nothing it still holds."""
+        if self._running:
+            raise RuntimeError("cannot rest while a forward runs")
+        self.binding.drop_held()
+        self.hooks.remove()
 
     def invalidate(self) -> None:
         """The host writes (or wrote) into the weights in place (hook LoRAs): device copies held
