@@ -143,7 +143,24 @@ def comfyui_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def comfy_server(comfyui_path, tmp_path_factory):
+def comfy_server(comfy_server_session):
+    """The session's server, its prompt cache and loaded models dropped first (ComfyUI's ``/free``):
+    each module's prompts run as on a fresh server, without a start of ComfyUI per module (about
+    30 s each on a small CPU)."""
+    s = comfy_server_session
+    if s.proc is not None:
+        before = s.get("/queue")
+        req = urllib.request.Request(s.url + "/free", data=json.dumps({"unload_models": True, "free_memory": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()  # an empty answer
+        # the flags are taken by the prompt worker when it wakes: one empty turn of its loop
+        time.sleep(1.5)
+        assert not before.get("queue_running"), before
+    return s
+
+
+@pytest.fixture(scope="session")
+def comfy_server_session(comfyui_path, tmp_path_factory):
     running = os.environ.get("VRAMCUT_COMFY_URL")
     if running:
         # while working on the web side: a server already running with the same set-up (its base

@@ -7,7 +7,7 @@ those keys is drawn as before. The Devices node's output connects to the Max VRA
 input.
 
 The page helpers are test_browser.py's and test_node_look.py's; this module starts its own server
-and browser (module-scoped fixtures in conftest.py).
+and its own browser (the server is the session's, its prompt cache dropped for each module: conftest.py).
 """
 from __future__ import annotations
 
