@@ -242,3 +242,12 @@ def test_the_time_chosen_plan_against_every_residency_on_random_models():
         assert t <= step_time(count, bw) * (1 + 1e-9)
         worst = max(worst, t / best)
     assert worst <= 1.05, worst
+
+
+def test_units_with_no_compute_are_planned_by_time_without_an_error():
+    # units whose forward runs no matrix product (FLOPs 0: elementwise only) have no compute time
+    # to spread the streamed ones over; the search still times the residencies it can
+    units = [PlanUnit(f"u{i}", 100 << 20, 0, 0, compute_s=0.0) for i in range(6)]
+    count = build_plan(units, 3 * (100 << 20))
+    timed = by_time(count, BW)
+    assert step_time(timed, BW) <= step_time(count, BW)

@@ -286,6 +286,8 @@ class _Search:
                     picks.add(i)
                     k += 1
                 acc += c
+            if not picks:  # no compute to spread over (units that run no matrix product)
+                continue
             held = sum(units[i].weight_bytes for i in free if i not in picks)
             if held + min(units[i].weight_bytes for i in picks) <= room:
                 out.append(self.must | frozenset(i for i in free if i not in picks))
