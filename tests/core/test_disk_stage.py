@@ -168,3 +168,26 @@ def test_sim_a_failed_read_through_the_bounce_buffer_names_the_file_and_it_runs_
     with torch.no_grad():
         assert torch.equal(eng.run(model, ids()), ref)
     assert eng.last_plan.tiers.disk_units
+
+
+def test_a_reopened_weights_file_closes_its_old_descriptor_after_the_reads_issued_before(tmp_path, monkeypatch):
+    import os
+
+    import pytest
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"x" * 8192)
+    f = disk.WeightFile(str(path))
+    old = f.fd
+    gate = threading.Event()
+    disk.reader().submit(gate.wait, 10)  # a read issued ahead, still in flight on the reader
+    real = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: real(0 if fd == old else fd))  # the descriptor is not the file's now
+    f.check()  # the file is as it was: opened again
+    monkeypatch.setattr(os, "fstat", real)
+    assert f.fd != old
+    os.fstat(old)  # still open while the reads before it run: its number cannot be reused under them
+    gate.set()
+    disk.reader().submit(lambda: None).result()
+    with pytest.raises(OSError):
+        os.fstat(old)

@@ -80,9 +80,11 @@ class WeightFile:
         now = _identity(st)
         if now == self.ident:
             if _identity(os.fstat(self.fd)) != self.ident:  # it went away and is back: read it again
-                self._close()
+                old = self._close.detach()
                 self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 self._close = weakref.finalize(self, os.close, self.fd)
+                if old is not None:  # closed on the reader, after the reads issued ahead on it (in
+                    reader().submit(os.close, *old[2])  # order): its number is never reused under one
             return
         if now[:2] != self.ident[:2]:
             raise DiskTierError(self.path, "was replaced by another file")
