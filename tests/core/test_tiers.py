@@ -344,8 +344,39 @@ def test_the_load_cost_is_measured_the_host_copy_written_once_and_its_ram_releas
     assert load["mapped_bytes"] == 0 and load["cached_bytes"] >= big
     assert load["cache_file_bytes"] == eng.executor.masters.tiers.cache_bytes >= load["cached_bytes"]
     assert 0 < load["write_s"] <= load["move_s"]
-    assert load["released_bytes"] >= 0.8 * big, (load["released_bytes"], big)
+    assert load["released_bytes"] is not None and load["released_bytes"] >= 0
     assert load["ram_bytes"] == eng.executor.masters.tiers.host_bytes() and load["page_locked_bytes"] == 0
+
+
+RELEASED_PY = """
+import sys, torch
+from test_executor import budget_for, ids
+from toys import TransformerStack, seeded
+from vramcut_core import Engine, EngineConfig
+model = seeded(TransformerStack(d=2048, depth=2))
+with torch.no_grad():
+    ref = model(ids())
+eng = Engine(model, EngineConfig(budget_bytes=budget_for(model, ids()), device="cpu", ram_budget_bytes=1 << 20))
+with torch.no_grad():
+    assert torch.equal(eng.run(model, ids()), ref)
+big = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+print(eng.describe()["plan"]["tiers"]["load"]["released_bytes"], big)
+"""
+
+
+def test_the_ram_the_host_load_held_is_measured_released_in_a_fresh_process():
+    """The fall of the process's anonymous memory once the two 128 MiB blocks left RAM, measured in
+    an interpreter of its own: in a long-lived process (the whole suite) earlier tests' memory
+    makes the fall unreadable (it read 0 there)."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))]))
+    out = subprocess.run([sys.executable, "-c", RELEASED_PY], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    released, big = map(int, out.stdout.split()[-2:])
+    assert released >= 0.8 * big, (released, big)
 
 
 def test_the_load_cost_of_mapped_weights_is_what_the_checkpoint_holds(tmp_path):
