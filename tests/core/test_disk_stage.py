@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from test_tiers import _cache_dir, cpu_engine, reference  # noqa: F401 (the cache dir fixture)
+from test_tiers import _cache_dir, _sim_mapped, cpu_engine, reference  # noqa: F401 (the cache dir fixture)
 from test_sim_cuda import sim  # noqa: F401 (the simulated accelerator fixture)
 from test_file_backed import mapped
 from test_executor import ids
@@ -142,17 +142,10 @@ def test_sim_a_failed_read_through_the_bounce_buffer_names_the_file_and_it_runs_
 
     import pytest
 
-    from test_file_backed import _fresh_ledger, sim_budget
-    from test_sim_cuda import cuda_engine
     from vramcut_core.runtime import host_memory as hm
 
     monkeypatch.setattr(hm, "BOUNCE_PIECE", 4096)  # several pieces per unit: reads in flight when one fails
-    with sim.host_memory():
-        model = mapped(lambda: TransformerStack(d=64), tmp_path)
-        ref = reference()
-    budget = sim_budget(sim, lambda: TransformerStack(d=64), ids())
-    _fresh_ledger(monkeypatch)
-    eng = cuda_engine(model, budget, ram_budget_bytes=100_000)
+    model, ref, eng = _sim_mapped(sim, monkeypatch, tmp_path, 100_000)
     with torch.no_grad():
         assert torch.equal(eng.run(model, ids()), ref)
     real = os.preadv

@@ -203,13 +203,19 @@ def test_a_failed_or_short_read_is_an_error_naming_the_file(tmp_path, monkeypatc
 
 # -- the simulated accelerator: through the bounce buffer -------------------------------------
 
-def _sim_run(sim, monkeypatch, tmp_path, ram, forwards=3):
+def _sim_mapped(sim, monkeypatch, tmp_path, ram, **kw):
+    """A model mapped from its checkpoint on the simulated accelerator, its reference output, and
+    an engine under the RAM budget ``ram`` (``kw``: more of cuda_engine's settings)."""
     with sim.host_memory():
         model = mapped(lambda: TransformerStack(d=64), tmp_path)
         ref = reference()
     budget = sim_budget(sim, lambda: TransformerStack(d=64), ids())
     _fresh_ledger(monkeypatch)
-    eng = cuda_engine(model, budget, ram_budget_bytes=ram)
+    return model, ref, cuda_engine(model, budget, ram_budget_bytes=ram, **kw)
+
+
+def _sim_run(sim, monkeypatch, tmp_path, ram, forwards=3):
+    model, ref, eng = _sim_mapped(sim, monkeypatch, tmp_path, ram)
     syncs, waits, outs = [], [], []
     real_take = hm.BounceBuffer.take
 
@@ -253,12 +259,7 @@ def test_sim_catches_a_bounce_piece_read_into_before_its_copy(sim, monkeypatch, 
 
     monkeypatch.setattr(hm, "BOUNCE_PIECE", 4096)
     monkeypatch.setattr(hm.BounceBuffer, "take", take_without_waiting)
-    with sim.host_memory():
-        model = mapped(lambda: TransformerStack(d=64), tmp_path)
-        ref = reference()
-    budget = sim_budget(sim, lambda: TransformerStack(d=64), ids())
-    _fresh_ledger(monkeypatch)
-    eng = cuda_engine(model, budget, ram_budget_bytes=100_000)
+    model, ref, eng = _sim_mapped(sim, monkeypatch, tmp_path, 100_000)
     with torch.no_grad():
         out = eng.run(model, ids())
     assert not torch.equal(out, ref), "the copies read pieces already refilled"
@@ -287,12 +288,7 @@ def test_sim_a_ram_budget_below_one_call_is_refused_before_anything_moves(sim, m
 
 def test_sim_without_page_locking_disk_pieces_are_copied_synchronously(sim, monkeypatch, tmp_path):
     monkeypatch.setattr(hm, "BOUNCE_PIECE", 4096)
-    with sim.host_memory():
-        model = mapped(lambda: TransformerStack(d=64), tmp_path)
-        ref = reference()
-    budget = sim_budget(sim, lambda: TransformerStack(d=64), ids())
-    _fresh_ledger(monkeypatch)
-    eng = cuda_engine(model, budget, ram_budget_bytes=100_000, pin_memory=False)
+    model, ref, eng = _sim_mapped(sim, monkeypatch, tmp_path, 100_000, pin_memory=False)
     with torch.no_grad():
         outs = [eng.run(model, ids()) for _ in range(2)]
     assert all(torch.equal(o, ref) for o in outs)
