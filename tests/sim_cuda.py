@@ -47,9 +47,13 @@ and coalescing, so ``memory_reserved`` differs from ``memory_allocated`` the way
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import importlib
 import itertools
+import queue
+import threading
 import time
 import weakref
 
@@ -77,6 +81,19 @@ ERR_HOST_MEMORY_NOT_REGISTERED = 713
 
 class PendingCudaError(RuntimeError):
     pass
+
+
+def _locked(fn):
+    """Run under the simulator's lock: its bookkeeping is shared by the host thread and the
+    disk reader's (``SimReader``)."""
+    @functools.wraps(fn)
+    def run(self, *a, **k):
+        sim = self if isinstance(self, SimCuda) else getattr(self, "sim", None) or SimCuda.active
+        if sim is None:
+            return fn(self, *a, **k)
+        with sim.lock:
+            return fn(self, *a, **k)
+    return run
 
 
 # -- allocator --------------------------------------------------------------------------------
@@ -237,6 +254,7 @@ class SimStream:
             self.done = self.clock[self.id]
         return self.clock[self.id]
 
+    @_locked
     def wait_event(self, ev: "SimEvent") -> None:
         self.sim.wait(self, ev)
 
@@ -250,8 +268,9 @@ class SimStream:
         ev.record(self)
         return ev
 
+    @_locked
     def synchronize(self) -> None:
-        self.sim.host_syncs += 1
+        self.sim.synced()
         self.sim.flush(self)
         self.sim.host_observes(self.clock)
         self.sim.host_t = max(self.sim.host_t, self.t)
@@ -281,6 +300,7 @@ class SimEvent:
         self.clock: dict[int, int] = {}
         self.t = 0.0
 
+    @_locked
     def record(self, stream: SimStream | None = None) -> None:
         sim = SimCuda.active
         stream = stream or sim.current_stream(None, "Event.record()")
@@ -290,6 +310,7 @@ class SimEvent:
     def wait(self, stream: SimStream | None = None) -> None:
         (stream or SimCuda.active.current()).wait_event(self)
 
+    @_locked
     def query(self) -> bool:
         if self.stream is None:
             return True
@@ -305,10 +326,11 @@ class SimEvent:
             sim.host_observes(self.clock)
         return done
 
+    @_locked
     def synchronize(self) -> None:
         if self.stream is None:
             return
-        self.stream.sim.host_syncs += 1
+        self.stream.sim.synced()
         self.stream.sim.flush(self.stream, self.pos)
         self.stream.sim.host_observes(self.clock)
         self.stream.sim.host_t = max(self.stream.sim.host_t, self.t)
@@ -359,6 +381,7 @@ class _CudaRT:
     def __init__(self, sim: "SimCuda") -> None:
         self.sim = sim
 
+    @_locked
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         sim = self.sim
         sim.register_calls.append((ptr, size, flags))
@@ -371,6 +394,7 @@ class _CudaRT:
         sim.registered[ptr] = (size, flags)
         return 0
 
+    @_locked
     def cudaHostUnregister(self, ptr: int) -> int:
         sim = self.sim
         if ptr not in sim.registered:
@@ -381,6 +405,102 @@ class _CudaRT:
             sim._check_host_quiet(rec, "host buffer unregistered while a copy may read it")
         del sim.registered[ptr]
         return 0
+
+
+# -- threads ----------------------------------------------------------------------------------
+
+class _ThreadView:
+    """What one thread has seen: its virtual time, the positions of each stream it has waited
+    for (work it can no longer race), the streams it has made current, its host-memory context."""
+
+    def __init__(self, compute: "SimStream") -> None:
+        self.t = 0.0
+        self.clock: dict[int, int] = {}
+        self.stack: list = [compute]
+        self.ctx = 0
+
+
+class _SimFuture(concurrent.futures.Future):
+    """A job's future: the thread that waits for it (``result``, ``exception``) has seen what
+    the job saw (its clock) and, timed, its time moves to when the job ended."""
+
+    end_t = 0.0
+    end_clock: dict = {}
+    sim: "SimCuda | None" = None
+
+    def _joined(self) -> None:
+        sim = self.sim
+        if sim is None or threading.current_thread() is not sim.main:
+            return
+        with sim.lock:
+            if self.end_t > sim.host_t + 1e-15:
+                sim.read_waits += 1
+            sim.host_t = max(sim.host_t, self.end_t)
+            sim.host_observes(self.end_clock)
+
+    def result(self, timeout=None):
+        try:
+            return super().result(timeout)
+        finally:
+            self._joined()
+
+    def exception(self, timeout=None):
+        e = super().exception(timeout)
+        self._joined()
+        return e
+
+
+class SimReader:
+    """The disk reader thread (``disk.reader()``) while the simulator is on: one thread, jobs in
+    the order they were submitted, the simulator's dispatch mode on in it. A job starts having
+    seen what its submitter had (clock, virtual time) and its lane's own past; its waits and
+    reads move its virtual time, not the host's, until the host waits for the job."""
+
+    def __init__(self, sim: "SimCuda") -> None:
+        self.sim = sim
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="vramcut-disk-sim", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args, **kwargs) -> _SimFuture:
+        sim = self.sim
+        fut = _SimFuture()
+        fut.sim = sim
+        with sim.lock:
+            self.jobs.put((fut, fn, args, kwargs, sim.host_t, dict(sim.host_clock)))
+        return fut
+
+    def _run(self) -> None:
+        sim = self.sim
+        with _SimMode(sim):
+            while True:
+                item = self.jobs.get()
+                if item is None:
+                    return
+                fut, fn, args, kwargs, t, clock = item
+                with sim.lock:
+                    sim.host_t = max(sim.host_t, t)
+                    sim.host_observes(clock)
+                try:
+                    out = fn(*args, **kwargs)
+                except BaseException as e:  # noqa: BLE001  (handed to the future, as a pool does)
+                    self._end(fut)
+                    fut.set_exception(e)
+                else:
+                    self._end(fut)
+                    fut.set_result(out)
+                # the job's arguments go now, as a pool's work item does (not at the next job)
+                del item, fut, fn, args, kwargs
+                out = e = None
+
+    def _end(self, fut: _SimFuture) -> None:
+        with self.sim.lock:
+            fut.end_t, fut.end_clock = self.sim.host_t, dict(self.sim.host_clock)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.jobs.put(None)
+        if wait:
+            self.thread.join()
 
 
 # -- the simulator ----------------------------------------------------------------------------
@@ -410,11 +530,19 @@ class SimCuda:
         self.copy_bytes_per_s: float | None = None
         self.copy_latency_s = 0.0
         self.op_seconds = None
-        self.host_t = 0.0                 # the virtual time the host has last seen
-        self.host_clock: dict[int, int] = {}
-        self.host_ctx = 0
+        # what each thread has seen (the host's, the disk reader's): ``_ThreadView``
+        self.lock = threading.RLock()
+        self._tl = threading.local()
+        self._views: list[_ThreadView] = []
+        self.main = threading.current_thread()
         self.ops = 0
         self.host_syncs = 0               # host waits (stream, event, device synchronize)
+        self.reader_syncs = 0             # the same waits made by the disk reader's thread
+        self.read_waits = 0               # the host waited for a reader's job it joined (``SimReader``)
+        self.disk_bytes_per_s: float | None = None
+        self.disk_free = 0.0              # when the reader lane is free (virtual time)
+        self.disk_reads: list[tuple[float, float, int]] = []   # (start, end, bytes) of each read
+        self.read_ready: dict[int, float] = {}    # host buffer -> when its last disk read ended
         self.peak_resets = 0
         self.pinned_peak = 0              # most bytes from torch's page-locked allocator alive at once
         self.pageable_async: list[str] = []  # non-blocking copies from pageable host memory (they stall)
@@ -425,15 +553,52 @@ class SimCuda:
         self.allocs = {0: self.alloc}
         for d in range(1, devices):
             self.allocs[d] = SimAllocator(self._reused)
-        self.stack: list[SimStream] = [self.compute]
+        self.view  # the host's
+
+    # what the running thread has seen: its own virtual time, clock, stream stack, host context
+
+    @property
+    def view(self) -> "_ThreadView":
+        v = getattr(self._tl, "view", None)
+        if v is None:
+            v = self._tl.view = _ThreadView(self.compute)
+            self._views.append(v)
+        return v
+
+    host_t = property(lambda self: self.view.t, lambda self, t: setattr(self.view, "t", t))
+    host_clock = property(lambda self: self.view.clock)
+    stack = property(lambda self: self.view.stack)
+    host_ctx = property(lambda self: self.view.ctx, lambda self, n: setattr(self.view, "ctx", n))
+
+    def synced(self) -> None:
+        """A host-blocking wait, counted by the thread that made it."""
+        if threading.current_thread() is self.main:
+            self.host_syncs += 1
+        else:
+            self.reader_syncs += 1
 
     def set_durations(self, copy_bytes_per_s: float | None = None, op_seconds=None,
-                      copy_latency_s: float = 0.0) -> None:
+                      copy_latency_s: float = 0.0, disk_bytes_per_s: float | None = None) -> None:
         """Give copies from host memory and operators durations (see the module docstring);
-        ``copy_latency_s``: the fixed cost of each copy from host memory."""
+        ``copy_latency_s``: the fixed cost of each copy from host memory; ``disk_bytes_per_s``:
+        the disk reader's rate (reads one after another on one lane)."""
         self.timed = True
         self.copy_bytes_per_s, self.op_seconds = copy_bytes_per_s, op_seconds
         self.copy_latency_s = copy_latency_s
+        self.disk_bytes_per_s = disk_bytes_per_s
+
+    def disk_read(self, dest: torch.Tensor, nbytes: int) -> None:
+        """A read of ``nbytes`` from disk into host memory ``dest`` by the running thread: a CPU
+        write (checked: no copy may still read those bytes); timed, it runs on the reader lane
+        from when the thread issues it and the lane is free, and the thread waits for it."""
+        with self.lock:
+            self.access(self.compute, 0, dest, write=True, what="disk read")
+            if not (self.timed and self.disk_bytes_per_s):
+                return
+            start = max(self.host_t, self.disk_free)
+            self.disk_free = self.host_t = start + nbytes / self.disk_bytes_per_s
+            self.disk_reads.append((start, self.disk_free, nbytes))
+            self.read_ready[dest.untyped_storage().data_ptr()] = self.disk_free
 
     def copy_seconds(self, src: torch.Tensor) -> float:
         rec = self.recs.get(src.untyped_storage().data_ptr())
@@ -524,8 +689,9 @@ class SimCuda:
         if not stream.queue:
             stream.done = stream.pos
 
+    @_locked
     def synchronize(self, device=None) -> None:
-        self.host_syncs += 1
+        self.synced()
         for s in list(self.streams):
             self.flush(s)
             self.host_t = max(self.host_t, s.t)
@@ -534,13 +700,15 @@ class SimCuda:
 
     def host_observes(self, clock: dict) -> None:
         changed = False
+        mine = self.host_clock
         for k, v in clock.items():
-            if v > self.host_clock.get(k, 0):
-                self.host_clock[k] = v
+            if v > mine.get(k, 0):
+                mine[k] = v
                 changed = True
-        if changed:  # accesses the host has seen finish can conflict with nothing issued later
+        if changed:  # accesses every thread has seen finish can conflict with nothing issued later
+            seen = {k: min(v.clock.get(k, 0) for v in self._views) for k in mine}
             for rec in self.recs.values():
-                rec.acc = {key: p for key, p in rec.acc.items() if p > self.host_clock.get(key[0], 0)}
+                rec.acc = {key: p for key, p in rec.acc.items() if p > seen.get(key[0], 0)}
 
     def _ordered(self, stream: SimStream, sid: int, pos: int) -> bool:
         return stream.clock.get(sid, 0) >= pos or self.host_clock.get(sid, 0) >= pos
@@ -601,6 +769,7 @@ class SimCuda:
         weakref.finalize(st, self._freed, rec)
         return rec
 
+    @_locked
     def _freed(self, rec: _Rec) -> None:
         rec.alive = False
         self.recs.pop(rec.base, None)
@@ -706,6 +875,10 @@ class _SimMode(TorchDispatchMode):
         self.sim = sim
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with self.sim.lock:
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         sim = self.sim
         sim.ops += 1
@@ -796,6 +969,8 @@ class _SimMode(TorchDispatchMode):
             dst = out
         pos = stream.issue()
         if sim.timed:
+            if host is not None:  # a copy from a piece a disk read fills starts once the read is done
+                stream.t = max(stream.t, sim.read_ready.get(host.base, 0.0))
             stream.run_for(sim.copy_seconds(src))
         sim.access(stream, pos, src, write=False, what=f"deferred {func}")
         sim.access(stream, pos, dst, write=True, what=f"deferred {func}")
@@ -804,7 +979,7 @@ class _SimMode(TorchDispatchMode):
         stream.queue.append(("op", pos, lambda d=_WeakView(dst), s=_WeakView(src), k=keep: _deferred_copy(d, s)))
         if host is not None and blocking:
             # a blocking copy from host memory returns when it is done: the host waits for it
-            sim.host_syncs += 1
+            sim.synced()
             sim.flush(stream, pos)
             sim.host_observes(dict(stream.clock))
             sim.host_t = max(sim.host_t, stream.t)
@@ -955,6 +1130,13 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         finally:
             sim.host_ctx -= 1
 
+    def read_into_of(orig_read_into):
+        def read_into(dest, reads):
+            sim.disk_read(dest, sum(r[3] for r in reads))
+            return orig_read_into(dest, reads)
+        return read_into
+
+    reader = SimReader(sim)
     from vramcut_core.figures import bandwidth
 
     monkeypatch.setattr(bandwidth, "_placement", _placement)  # the probes' device tensors
@@ -973,6 +1155,9 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         monkeypatch.setattr(host_memory, "_host_buffer", host_buffer_of(host_memory._host_buffer))
         hops = importlib.import_module(rt.__name__ + ".hops")
         monkeypatch.setattr(hops, "_device_of", sim.device_of)
+        disk = importlib.import_module(rt.__name__ + ".disk")
+        monkeypatch.setattr(disk, "_READER", reader)
+        monkeypatch.setattr(disk, "read_into", read_into_of(disk.read_into))
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))
@@ -1010,5 +1195,6 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         try:
             yield sim
         finally:
+            reader.shutdown()
             sim.synchronize()
     SimCuda.active = None

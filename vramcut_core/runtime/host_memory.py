@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 import weakref
 from typing import Callable
 
@@ -217,6 +218,9 @@ class BounceBuffer:
         self.page_locked = all(p.page_locked for p in self._pieces)
         self.nbytes = piece * pieces
         self._next = 0
+        # held for a whole unit's pass (the reader's, or a host's filling from a mapping): the
+        # process's executors share the pieces and the order they are taken in
+        self.lock = threading.Lock()
 
     def take(self) -> tuple[torch.Tensor, int]:
         """The next piece to fill, once no copy reads it any more."""

@@ -20,6 +20,7 @@ from), ``read_stage`` (disk-tier reads) and ``binding`` (where a tensor's master
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from typing import Callable
@@ -33,7 +34,7 @@ from .device_memory import DeviceCopy, DeviceMemory
 from .host_memory import (PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size,
                           masters_holding, staged)
 from .layout import quant_views, view
-from .read_stage import ReadStage
+from .read_stage import Ahead, ReadStage, count
 
 
 class Transfers:
@@ -71,6 +72,7 @@ class Transfers:
     def wait_copies(self) -> None:
         """Block the host until every copy issued has landed (callers name the hazard)."""
         if self.cuda:
+            self.reads.join_all()  # (the reader's are issued first)
             self.copy_stream.synchronize()
 
     def order_after_copies(self) -> None:
@@ -85,21 +87,23 @@ class Transfers:
         (from each unit's own host master) between one wait and one event, which every unit's
         copy shares. ``free``: the event recorded when the compute that last read ``buf`` was
         done (a slot's free event); the copy waits for it alone. None: for everything the compute
-        stream has queued so far. On CPU a disk-tier unit's read into ``buf`` is issued on the
-        reader thread and, where ``sync`` is false (a prefetch), not waited for here: the
-        group's ``DeviceCopy.ready`` holds it until the group is entered (``order_entry``)."""
+        stream has queued so far. A disk-tier unit's read is issued on the reader thread and,
+        where ``sync`` is false (a prefetch), not waited for here: the group's
+        ``DeviceCopy.ready`` holds it until the group is entered (``order_entry``). On CUDA the
+        reader issues the transfer's flat copies too, after its reads (``read_stage``)."""
         mem = self.memory
         t0 = time.perf_counter()
         out: dict[str, DeviceCopy] = {}
         # hazard: a copy into a buffer the reader thread still writes (a read ahead never waited for)
-        self.reads.wait(buf)
+        if not self.cuda:
+            self.reads.wait(buf)
         self.reads.ahead = not self.cuda and not sync
         masters = {n: self.masters.get(n) if n not in mem.resident_names else None for n in names}
         # host buffers are made here, before the copy stream is current (no stream owns them)
         bounces = {n: self.masters.bounce(n) if masters[n] is None and self.cuda else None for n in names}
+        flat: list[Callable[[], None]] = []   # the flat copies (CUDA: the reader's where it has any)
         with mem.pause():
-            stream_ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
-            compute = None
+            compute = ev = ev_start = None
             if self.cuda:
                 compute = torch.cuda.current_stream(self.device)
                 # The slot may still be read by kernels queued on the compute stream (or be
@@ -112,34 +116,57 @@ class Transfers:
                     ev = torch.cuda.Event()
                     ev.record(compute)
                 ev_start = torch.cuda.Event(enable_timing=True)
-            with stream_ctx:
-                if self.cuda:
-                    # hazard: overwriting a slot that queued kernels (compute or host readers) still read
-                    # hazard: overwriting a slot before the group that last held it is done computing
-                    self.copy_stream.wait_event(ev)
-                    ev_start.record(self.copy_stream)
-                base = 0
-                self._staged_bytes = 0
-                try:
-                    for name in names:
-                        out[name] = self._copy_unit(name, buf, base, masters[name], bounces[name], compute)
-                        base += mem.layout(name).nbytes
-                finally:
-                    self.reads.ahead = False
-                reading = self.reads.into(buf)
-                if reading:
+            base = 0
+            self._staged_bytes = 0
+            host, ahead = [], False   # the host's own copies; whether the reader takes the flat ones
+            try:
+                for name in names:
+                    dc, copy, on_reader = self._copy_unit(name, buf, base, masters[name], bounces[name], compute)
+                    out[name] = dc
+                    (flat if copy is not None and on_reader is not False else host).append((name, base, copy))
+                    ahead = ahead or bool(on_reader)
+                    base += mem.layout(name).nbytes
+                ahead = self.cuda and bool(flat) and (ahead or bool(self.reads.jobs))
+                if not ahead:
+                    host, flat = flat + host, []
+                if self.cuda and host:
+                    # hazard: the copy stream's work out of the schedule's order (the host's
+                    # copies before a transfer still on the reader)
+                    self.reads.join_all()
+                stream_ctx = torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext()
+                with stream_ctx:
+                    if self.cuda and (host or not ahead):
+                        # hazard: overwriting a slot that queued kernels (compute or host readers) still read
+                        # hazard: overwriting a slot before the group that last held it is done computing
+                        self.copy_stream.wait_event(ev)
+                        ev_start.record(self.copy_stream)
+                    for name, b, copy in host:
+                        if copy is not None:
+                            copy()
+                        self._copy_tensors(name, buf, b, out[name], compute)
+            finally:
+                self.reads.ahead = False
+            reading = self.reads.into(buf)
+            if reading:
+                for dc in out.values():
+                    dc.ready = reading
+            if self.cuda:
+                done = torch.cuda.Event(enable_timing=True)
+                owners = [o for n, m in masters.items()
+                          for o in ([m] if m is not None else masters_holding(self._unit(n)))]
+                staged_bytes = self._staged_bytes
+                if ahead:
+                    opened = bool(host)
+                    job = lambda: self._issue_flat([c for _, _, c in flat], None if opened else ev, ev_start,  # noqa: E731
+                                                   done, owners, staged_bytes)
+                    mark = self.reads.submit(job, done, (ev_start, done))
                     for dc in out.values():
-                        dc.ready = reading
-                if self.cuda:
-                    done = torch.cuda.Event(enable_timing=True)
-                    done.record(self.copy_stream)
-                    PAGE_LOCKED.staged(done, self._staged_bytes)
+                        dc.ready = mark
+                else:
+                    self._issue_flat([], None, None, done, owners, staged_bytes)
+                    self.times.copies.append((ev_start, done))
                     for dc in out.values():
                         dc.ready = done
-                    self.times.copies.append((ev_start, done))
-                    for n, m in masters.items():
-                        for owner in ([m] if m is not None else masters_holding(self._unit(n))):
-                            owner.read_by(self.copy_stream, done)
         other = sum(mem.layout(n).other_bytes for n in names)
         if other:
             mem.account(other)
@@ -156,8 +183,35 @@ class Transfers:
             if not self.cuda:
                 st.time_load_s += time.perf_counter() - t0
         if self.cuda and sync:
-            self.order_readers(done)
+            self.order_readers(self._ready(next(iter(out.values())).ready))
         return out
+
+    def _issue_flat(self, copies: list, ev, ev_start, done, owners: list, staged_bytes: int) -> None:
+        """Issue ``copies`` on the copy stream (after ``ev``, where the host has not opened the
+        transfer) and record ``done`` after them, whatever happens; then the host memory they read
+        is marked read by them. On the reader thread for a transfer with disk reads (and the ones
+        after it), else on the host."""
+        with torch.cuda.stream(self.copy_stream):
+            try:
+                if ev is not None:
+                    # hazard: overwriting a slot that queued kernels (compute or host readers) still read
+                    # hazard: overwriting a slot before the group that last held it is done computing
+                    self.copy_stream.wait_event(ev)
+                    ev_start.record(self.copy_stream)
+                for copy in copies:
+                    copy()
+            finally:
+                done.record(self.copy_stream)
+                PAGE_LOCKED.staged(done, staged_bytes)
+                for owner in owners:
+                    owner.read_by(self.copy_stream, done)
+
+    def _ready(self, ready):
+        """A group's copy-done event; a transfer still on the reader is waited for first (a read
+        that failed raises here: its group is entered)."""
+        if isinstance(ready, Ahead):
+            return self.reads.join(ready, self.times.copies)
+        return ready
 
     def load_resident(self, plan: Plan, stale: bool) -> None:
         """A buffer and a copy for each unit ``plan`` keeps resident; ``stale``: the host wrote
@@ -178,34 +232,50 @@ class Transfers:
         mem.resident[name] = (buf, self.load((name,), buf, sync=True)[name])
 
     def _copy_unit(self, name: str, buf: torch.Tensor, base: int, master: _HostMaster | None,
-                   bounce: BounceBuffer | None, compute) -> DeviceCopy:
-        """Issue the copies of one unit's weights into ``buf`` from byte ``base`` (on CUDA on the
-        copy stream, which the caller has made current; ``compute`` is the stream that reads),
-        from its flat master, through the bounce buffer, or tensor by tensor."""
-        unit, lay, place = self._unit(name), self.memory.layout(name), self.memory.place
+                   bounce: BounceBuffer | None, compute) -> tuple[DeviceCopy, Callable[[], None] | None, bool | None]:
+        """One unit's copy into ``buf`` from byte ``base``: its ``DeviceCopy`` (views made now),
+        the issue of its flat copy (None: copied tensor by tensor, ``_copy_tensors``) and where
+        that copy may be issued (True: a disk read the reader makes; None: anywhere; False: by
+        the host only)."""
+        unit, lay = self._unit(name), self.memory.layout(name)
         dc = DeviceCopy()
         dc.unit = name
         reads = self.masters.tiers.reads(name) if master is None else None  # a disk-tier unit
         whole = reads is not None or bounce is not None or (master is not None and lay.nbytes)  # one flat copy
+        if not whole:
+            return dc, None, False
+        for i, off, n in lay.flat:
+            dc.views[i] = view(buf, base + off, n, unit.tensors[i].tensor)
+        for i, spans in lay.quant.items():
+            dc.parts[i] = quant_views(buf, unit.tensors[i].tensor, spans, base)
+        where = None if not lay.other else False
+        if reads is not None and self.cuda and bounce is not None:
+            count(self.stats, reads)  # the reader reads and copies it, piece by piece
+            copy = functools.partial(self.reads.read_through, buf, base, lay.nbytes, bounce, reads)
+            return dc, copy, True if not lay.other else False
+        if reads is not None and self.cuda:
+            return dc, functools.partial(self.reads.read_pageable, buf, base, lay.nbytes,
+                                         self.reads.pageable(lay.nbytes), reads, self.stats), False
         if reads is not None:
-            self.reads.read(buf, base, lay.nbytes, bounce, reads, self.stats)
-        elif bounce is not None:
-            self._through_bounce(name, buf, base, bounce, compute)
-        elif whole:
-            # a pageable master would make the copy wait for the compute stream on the host
-            # (under a RAM budget nothing is staged: the copy is synchronous, on purpose)
-            src_buf, async_ok = ((master.buf, True) if master.page_locked
-                                 else (master.buf, False) if not self.cuda or self.masters.tiers.tiers is not None
-                                 else staged(master.buf, place, self._staged_bytes))
-            if src_buf is not master.buf:
-                self._staged_bytes += host_alloc_size(src_buf.numel())
-            buf[base:base + lay.nbytes].copy_(src_buf, non_blocking=async_ok)
-        if whole:
-            for i, off, n in lay.flat:
-                dc.views[i] = view(buf, base + off, n, unit.tensors[i].tensor)
-            for i, spans in lay.quant.items():
-                dc.parts[i] = quant_views(buf, unit.tensors[i].tensor, spans, base)
-        else:
+            return dc, functools.partial(self.reads.read, buf, base, lay.nbytes, reads, self.stats), False
+        if bounce is not None:
+            return dc, functools.partial(self._through_bounce, name, buf, base, bounce, compute), False
+        # a pageable master would make the copy wait for the compute stream on the host
+        # (under a RAM budget nothing is staged: the copy is synchronous, on purpose)
+        src_buf, async_ok = ((master.buf, True) if master.page_locked
+                             else (master.buf, False) if not self.cuda or self.masters.tiers.tiers is not None
+                             else staged(master.buf, self.memory.place, self._staged_bytes))
+        if src_buf is not master.buf:
+            self._staged_bytes += host_alloc_size(src_buf.numel())
+            where = False
+        return dc, functools.partial(_copy_flat, buf[base:base + lay.nbytes], src_buf, async_ok), where
+
+    def _copy_tensors(self, name: str, buf: torch.Tensor, base: int, dc: DeviceCopy, compute) -> None:
+        """Issue the copies of a unit's weights tensor by tensor (no flat master), and of its
+        subclass tensors (on CUDA on the copy stream, which the caller has made current;
+        ``compute`` is the stream that reads)."""
+        unit, lay, place = self._unit(name), self.memory.layout(name), self.memory.place
+        if not dc.views and not dc.parts:
             for i, off, n in lay.flat:
                 src = self.binding.host(name, i)
                 v = view(buf, base + off, n, src)
@@ -225,7 +295,7 @@ class Transfers:
                 # allocator from reusing it before compute is done with it
                 dev.record_stream(compute)
             dc.views[i] = dev
-        return dc  # a staging buffer goes back to torch's host cache (reused after the copy)
+        # a staging buffer goes back to torch's host cache (reused after the copy)
 
     def _through_bounce(self, name: str, buf: torch.Tensor, base: int, bounce: BounceBuffer, compute) -> None:
         """Copy a file-backed unit's flat bytes into ``buf`` from byte ``base`` piece by piece
@@ -237,19 +307,20 @@ class Transfers:
         spans += [(off, n, p) for i, sp in lay.quant.items()
                   for (off, n), p in zip(sp, quant.parts(unit.tensors[i].tensor))]
         spans = [(off, n, src.reshape(-1).view(torch.uint8)) for off, n, src in sorted(spans, key=lambda x: x[0])]
-        for lo in range(0, lay.nbytes, bounce.piece):
-            hi = min(lo + bounce.piece, lay.nbytes)
-            piece, k = bounce.take()
-            # the fill is host work, done at once: it is no copy the copy stream queues
-            with torch.cuda.stream(compute):
-                for off, n, src in spans:
-                    a, b = max(off, lo), min(off + n, hi)
-                    if a < b:
-                        piece[a - lo:b - lo].copy_(src[a - off:b - off])
-            buf[base + lo:base + hi].copy_(piece[:hi - lo], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-            bounce.read_by(k, self.copy_stream, done)
+        with bounce.lock:  # (the reader thread may be passing another executor's unit through it)
+            for lo in range(0, lay.nbytes, bounce.piece):
+                hi = min(lo + bounce.piece, lay.nbytes)
+                piece, k = bounce.take()
+                # the fill is host work, done at once: it is no copy the copy stream queues
+                with torch.cuda.stream(compute):
+                    for off, n, src in spans:
+                        a, b = max(off, lo), min(off + n, hi)
+                        if a < b:
+                            piece[a - lo:b - lo].copy_(src[a - off:b - off])
+                buf[base + lo:base + hi].copy_(piece[:hi - lo], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+                bounce.read_by(k, self.copy_stream, done)
 
     def _source(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """What a copy of one host tensor reads, and whether it may be asynchronous: on CUDA,
@@ -286,7 +357,7 @@ class Transfers:
             for fut in reads:
                 fut.result()  # the read stage's end: its group computes from here on
         elif self.cuda and dc.ready is not None:
-            ready = dc.ready
+            ready = self._ready(dc.ready)  # a transfer on the reader: the host waits for its reads here
             # compute must not read the slot before its copy has landed
             if not ready.query():
                 a = self.times.cuda_mark()
@@ -294,6 +365,10 @@ class Transfers:
                 self.times.waits.append((a, self.times.cuda_mark()))
             for c in group.values():  # one event for the group: ordered for all of it
                 c.ready = None
+
+
+def _copy_flat(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    dst.copy_(src, non_blocking=non_blocking)
 
 
 class CopyTimes:
