@@ -165,7 +165,7 @@ def time_rows(name: str, units, options, budgets=BUDGETS_GIB, split_unit=None) -
 def tier_rows(name: str, units, options, pairs=TIER_PAIRS_GIB, split_unit=None) -> list[str]:
     """For each (VRAM, RAM) pair: the plan by time on PCIe 4.0 x16, its host tiers under the RAM
     budget (``tiers.choose``: every weight read from the checkpoint itself, the bounce buffer of a
-    GPU), and the predicted call at each disk's rate (the plan's call plus the reads: not hidden)."""
+    GPU), and the predicted call at each disk's rate (the plan's call plus the reads: none hidden, a bound)."""
     from vramcut_core.planning.plan import BudgetError, make_plan
     from vramcut_core.planning.residency import by_time
     from vramcut_core.planning.tiers import HostUnit, bounce_for, choose
@@ -292,9 +292,10 @@ Under `max_ram_gb` each block's host copy is on the GPU (resident: read from the
 RAM (a flat copy, streamed over the link) or read from disk at every call (through the 128 MiB
 page-locked bounce buffer). Planned by time on PCIe 4.0 x16 (`residency.by_time`), the host tiers
 under the RAM budget by `tiers.choose` (every weight read from the checkpoint itself), the reads
-at an NVMe drive's stated sequential rate. The reads are not hidden behind compute (the reader
-fills the bounce buffer when a copy is issued): the predicted call is the plan's call on the
-link plus the reads. The RAM budget is per model; the page cache is not counted. Cells:
+at an NVMe drive's stated sequential rate. The call is counted with no read hidden, the plan's
+call on the link plus the reads: an upper bound (the reader reads a group when its slot frees,
+beside the compute of the groups before it, and feeds its copies; `timeline.predict` with the
+reads models that, this table does not). The RAM budget is per model; the page cache is not counted. Cells:
 resident bytes, bytes in RAM, bytes read from disk per call, the call without reads, and with
 them at each drive's rate.
 """

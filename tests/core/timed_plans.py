@@ -7,6 +7,11 @@ streamed, resident) with one or two slots of the largest streamed unit's size, a
 ``SegmentedExecutor`` directly. Each unit's compute time is its FLOPs (torch's count, as the
 simulator charges them) over the simulated throughput, so the prediction and the simulator see
 the same figures; what is compared is the schedule.
+
+With ``disk`` (a read rate) every unit is on the disk tier (``tiers.choose`` under a RAM budget of
+the bounce buffer alone): each call reads the streamed units from the model's cache file through
+the page-locked bounce buffer on the reader thread, the resident ones once a session, and the
+simulator times the reads on its one reader lane (``set_durations(disk_bytes_per_s=...)``).
 """
 from __future__ import annotations
 
@@ -89,11 +94,31 @@ def plan_of(case: Case, shape: str, slots: int):
     return plan_from_residency(case.units, budget, PlanOptions(), resident, slots if size else 0, size)
 
 
+def on_disk(case: Case, plan):
+    """``plan`` with every unit on the disk tier (the smallest RAM budget: the bounce buffer), and
+    the bytes a read of each moves (``timeline.predict``'s ``reads``)."""
+    from vramcut_core.planning.tiers import HostUnit, bounce_for, choose
+    from vramcut_core.runtime import host_memory
+
+    host = {}
+    for u in plan.units:
+        lay = layout_of(case.lookup(u.name))
+        read = sum(n for _, _, n in lay.flat) + sum(n for sp in lay.quant.values() for _, n in sp)
+        host[u.name] = HostUnit(lay.nbytes, read, fileable=not lay.other and lay.nbytes > 0)
+    bounce = bounce_for(host, host_memory.BOUNCE_PIECE, host_memory.BOUNCE_PIECES)
+    tiers = choose(plan, host, bounce, bounce)
+    assert not tiers.in_ram, tiers.in_ram
+    reads = on_disk.last = {n: host[n].read_bytes for n in host}
+    return dataclasses.replace(plan, tiers=tiers), reads
+
+
 def run_calls(sim, case: Case, plan, calls: int = 4, session: bool = True, bps: float = 2e7,
-              latency_s: float = 0.0) -> list[float]:
+              latency_s: float = 0.0, disk: float | None = None) -> list[float]:
     """Simulated seconds of each of ``calls`` forwards of ``plan`` (from one forward's end on the
-    compute stream to the next one's), outputs checked bit-equal."""
-    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS), copy_latency_s=latency_s)
+    compute stream to the next one's), outputs checked bit-equal; ``disk``: the read rate of the
+    disk tier (``plan.tiers``)."""
+    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS), copy_latency_s=latency_s,
+                      disk_bytes_per_s=disk)
     ex = SegmentedExecutor(case.lookup, "cuda", module=case.model)
     out = []
     t = sim.compute.t
@@ -118,10 +143,11 @@ class _null:
         return False
 
 
-def random_errors(sim, rng) -> tuple[float, float | None, tuple]:
+def random_errors(sim, rng, disk: bool = False) -> tuple[float, float | None, tuple]:
     """One random plan (4 to 8 blocks of random widths and passes, each streamed or resident, one
-    or two slots, one of three link speeds, in a session or not) run and predicted: (|error| of
-    the steady call, |error| of a session's first call or None outside one, what was drawn)."""
+    or two slots, one of three link speeds, in a session or not; ``disk``: every unit on the disk
+    tier, at one of three read rates) run and predicted: (|error| of the steady call, |error| of a
+    session's first call or None outside one, what was drawn)."""
     from vramcut_core.planning import timeline
 
     n = rng.randint(4, 8)
@@ -130,9 +156,12 @@ def random_errors(sim, rng) -> tuple[float, float | None, tuple]:
     flags[rng.randrange(n)] = "S"
     shape, slots, session = " ".join(flags), rng.choice([1, 2]), rng.random() < 0.75
     bps = rng.choice([5e6, 2e7, 1e8])
+    rate = rng.choice([2e6, 1e7, 5e7]) if disk else None
     case = build(sim, blocks)
-    plan = plan_of(case, shape, slots)
-    times = run_calls(sim, case, plan, calls=3, session=session, bps=bps)
-    tl = timeline.predict(plan, bps, session=session)
+    plan, reads = plan_of(case, shape, slots), None
+    if disk:
+        plan, reads = on_disk(case, plan)
+    times = run_calls(sim, case, plan, calls=3, session=session, bps=bps, disk=rate)
+    tl = timeline.predict(plan, bps, session=session, reads=reads, disk_bytes_per_s=rate)
     first = abs(tl.first_s / times[0] - 1) if session else None
-    return abs(tl.step_s / times[-1] - 1), first, (shape, slots, session, bps, times, tl)
+    return abs(tl.step_s / times[-1] - 1), first, (shape, slots, session, bps, rate, times, tl)

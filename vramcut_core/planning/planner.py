@@ -227,18 +227,20 @@ class UnitPlanner:
         bounce = self.host.bounce_bytes(host)
         rate = self.host.disk_rate(list(host))
         return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce, rate,
-                                                          self._step_of(plan, rate)))
+                                                          self._step_of(plan, rate, bounce)))
 
-    def _step_of(self, plan: Plan, disk_bytes_per_s: float | None):
-        """The predicted step with given units on disk (``tiers.choose``'s ``step_of``), where the
-        executor reads ahead beside compute (CPU: ``speed.overlaps`` false) and the plan is timed;
-        else None (on CUDA a read is not hidden yet: the choice is by bytes)."""
+    def _step_of(self, plan: Plan, disk_bytes_per_s: float | None, bounce: int):
+        """The predicted step with given units on disk (``tiers.choose``'s ``step_of``) where the
+        plan is timed: the executor reads ahead beside compute, on CPU into the slot, on CUDA
+        (``speed.overlaps``) through the bounce buffer of ``bounce`` bytes, its copies fed by the
+        reader; else None (the choice is by bytes)."""
         bps = self.figures.bytes_per_s(self.config)
-        if plan.time is None or not disk_bytes_per_s or not bps or speed.overlaps(self.config):
+        if plan.time is None or not disk_bytes_per_s or not bps:
             return None
-        lat = self.figures.latency_s(self.config)
-        return lambda reads: timeline.predict(plan, bps, overlap=False, session=True, latency_s=lat, reads=reads,
-                                              disk_bytes_per_s=disk_bytes_per_s).step_s
+        lat, overlap = self.figures.latency_s(self.config), speed.overlaps(self.config)
+        piece = bounce // 2 if overlap and bounce else None  # (host_memory.BOUNCE_PIECES)
+        return lambda reads: timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat, reads=reads,
+                                              disk_bytes_per_s=disk_bytes_per_s, piece_bytes=piece).step_s
 
     def _measured_plan(self, meas: dict[str, UnitMeasurement], source: str,
                        measured: dict[str, float] | None, budget: int) -> Plan:

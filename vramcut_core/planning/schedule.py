@@ -24,11 +24,12 @@ order (``Copy``), and what each unit's entry does:
 A stage before a copy (``Copy.stage``) is where a lower tier plugs in: a read from disk, on the
 process's one reader thread, feeding the copy (a disk read is one more engine feeding it). The
 tier names the stage on the copies it feeds (``with_stages``). The read is issued with its copy,
-when its slot frees: on CPU it fills the slot itself and runs beside the compute before its
-group, whose entry waits for it (``runtime.read_stage``); on CUDA it goes through the page-locked
-bounce buffer and the host waits for it as it issues the copy (not yet ahead). The timeline gives
-the stage its lane (``timeline.Step.read_s``: one read at a time, from when the slot frees), which
-the copy, or on CPU the group, waits for.
+when its slot frees, and runs beside the compute before its group (``runtime.read_stage``): on
+CPU it fills the slot itself, and the group's entry waits for it; on CUDA it goes piece by piece
+through the page-locked bounce buffer, the reader thread issuing each piece's copy as its read is
+back, and the group's entry waits for the reads (then compute for the copies, on the device). The
+timeline gives the stage its lane (``timeline.Step.read_s``, on CUDA ``Step.pieces``: one read at
+a time, from when the slot frees), which the copy, or on CPU the group, waits for.
 """
 from __future__ import annotations
 

@@ -13,14 +13,15 @@ made under a RAM budget (a master that cannot be page-locked is copied synchrono
 cache of the files counts nothing: the pack never touches nor locks those pages.
 
 The choice: every streamed unit starts on disk; units are taken for RAM by the time their reads
-cost per call (all their passes) per byte of RAM, most first, while the budget holds. Where the
-executor reads ahead (CPU: a disk group's read is the stage before it, issued when its slot
-frees, on the reader thread beside compute) the choice is by the timeline (``step_of``: the
-predicted step with the given units on disk, ``timeline.predict``'s reader lane): a unit goes to
-RAM only where that makes the step shorter, so the units whose reads the compute hides stay on
-disk and their RAM stays free. On CUDA a read is made when its copy is issued, by the host
-thread, so it is not hidden: every byte read costs its time at the disk's rate, and the
-predicted step is the plan's plus the reads. A budget below what one call needs (the units that
+cost per call (all their passes) per byte of RAM, most first, while the budget holds. The
+executor reads ahead: a disk group's read is the stage before it, issued when its slot frees, on
+the reader thread beside compute (on CPU into the slot; on CUDA through the bounce buffer, the
+reader issuing each piece's copy, ``runtime.read_stage``). Where the plan is timed the choice is
+by the timeline (``step_of``: the predicted step with the given units on disk,
+``timeline.predict``'s reader lane): a unit goes to RAM only where that makes the step shorter,
+so the units whose reads the compute hides stay on disk and their RAM stays free. Untimed (no
+compute times) the choice is by bytes, and the step said is the plan's plus the reads, every
+byte at the disk's rate (an upper bound). A budget below what one call needs (the units that
 must stay in RAM and the bounce buffer) is refused with the smallest ``max_ram_gb`` that works.
 """
 from __future__ import annotations
@@ -173,7 +174,7 @@ def tiers_to_json(t: Tiers | None, plan: Plan | None = None) -> dict | None:
         counts[k] += 1
     step = t.predicted_step_s  # the timeline's, reads ahead beside compute
     if step is None and plan is not None and plan.time is not None and t.disk_s_per_call is not None:
-        step = plan.time.predicted_s + t.disk_s_per_call  # reads are not hidden (see the module docstring)
+        step = plan.time.predicted_s + t.disk_s_per_call  # untimed choice: no read hidden (an upper bound)
     return {
         "ram_budget_bytes": t.ram_budget_bytes,
         "resident_bytes": plan.resident_bytes if plan is not None else None,

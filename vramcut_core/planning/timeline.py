@@ -48,7 +48,9 @@ class Step:
     instead of prefetched (a segment a forward enters several times); ``after`` the place, among
     the streamed steps of its device, of the one whose slot its copy takes (None: ``depth + 1``
     places before it); ``read_s`` the seconds its disk-tier units take to read from their files
-    (bytes / the disk's read rate), the stage before its copy."""
+    (bytes / the disk's read rate), the stage before its copy; ``pieces`` (CUDA) the same read
+    and copy piece by piece through the bounce buffer, in order: (read seconds, or None for a
+    unit copied from RAM, copy seconds) each."""
 
     compute_s: float
     copy_s: float | None = None
@@ -57,6 +59,7 @@ class Step:
     sync: bool = False
     after: int | None = None  # ``schedule.Copy.after``: the streamed step whose slot its copy takes
     read_s: float | None = None  # its disk-tier units' reads (the read stage before its copy), or None
+    pieces: tuple[tuple[float | None, float], ...] | None = None  # (read, copy) through the bounce buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,8 @@ _MAX_STEPS = 256  # steps simulated at most before the steady one is taken (it c
 
 
 def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: bool = True,
-             session: bool = True, load: Mapping[int, float] | None = None) -> Timeline:
+             session: bool = True, load: Mapping[int, float] | None = None,
+             load_read: float = 0.0) -> Timeline:
     """The steady-state timeline of ``steps`` run again and again (one forward per sampling step).
 
     The model is the executor's schedule (``schedule``), one copy stream and ``depth + 1`` slots
@@ -103,13 +107,20 @@ def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: boo
       segments than it has slots copies nothing after the first forward, and the next forward's
       first copies start during this one. Without it every forward starts with nothing on the
       device, as the first of a session does: its resident segments are copied first (``load``:
-      seconds per device; compute waits for them), then its first streamed segment; the call
-      ends when its copies have too (the buffers are released).
+      seconds per device; compute waits for them; ``load_read``: the seconds their reads from
+      disk hold the reader lane), then its first streamed segment (its slot free once compute
+      may start: a read into it starts then); the call ends when its copies have too (the
+      buffers are released).
     * A step with ``read_s`` (disk-tier units) has a read stage on the reader lane, one for the
       process, reads one after another in the order they are issued: a read is issued when its
       slot frees (as its copy is), so it runs beside the compute before the step, and the step's
-      copy (``overlap``: on the copy stream) or, on CPU where the read fills the slot itself, the
-      step waits for it. A ``sync`` step reads when entered, whole, as it copies.
+      copy (``overlap``: on the copy stream, after the copies before it) or, on CPU where the
+      read fills the slot itself, the step waits for it. A ``sync`` step reads when entered,
+      whole, as it copies. On CUDA (``Step.pieces``) the reader reads piece by piece through
+      the two-piece bounce buffer and issues each piece's copy as its read is back: a piece's
+      copy starts once its read is done, the copy before it too and the slot is free; a read
+      starts once the one before it is done, the slot is free and the copy that last read its
+      piece (two pieces before) is done.
 
     Forwards are simulated until one starts with the copy streams and slots as the one before
     started (it does within a few: then that forward repeats forever) and that one is returned;
@@ -121,9 +132,11 @@ def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: boo
              [s.hop_s for s in steps], [s.sync for s in steps], slots, overlap)
     after = [s.after for s in steps]
     read = [s.read_s for s in steps] if any(s.read_s is not None for s in steps) else None
-    first_s, step_s, stalls, copied = _run(*lists, session, load, after=after, read=read)
+    pieces = [s.pieces for s in steps] if any(s.pieces for s in steps) else None
+    kw = dict(after=after, read=read, load_read=load_read, pieces=pieces)
+    first_s, step_s, stalls, copied = _run(*lists, session, load, **kw)
     if session:
-        first_s = _run(*lists, True, load, calls=1, after=after, read=read)[0]
+        first_s = _run(*lists, True, load, calls=1, **kw)[0]
     return Timeline(step_s, stalls, copied, sum(s.compute_s for s in steps), sum(s.hop_s for s in steps), first_s)
 
 
@@ -147,12 +160,13 @@ def first_call(compute: Sequence[float], copy: Sequence[float | None], device: S
 
 
 def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls: int = _MAX_STEPS, after=None,
-         read=None):
+         read=None, load_read: float = 0.0, pieces=None):
     """(first call's seconds, steady call's seconds, its stalls, copied): calls simulated until one
     starts as the one before started (see ``simulate``), at most ``calls``. ``after[i]``: for a
     streamed step, the place (among its device's streamed steps) of the one whose slot its copy
     takes (``schedule.Copy.after``); None: ``slots`` places before it, cyclically. ``read[i]``:
-    a streamed step's read stage (seconds on the one reader lane), or None."""
+    a streamed step's read stage (seconds on the one reader lane), or None; ``pieces[i]`` the same
+    piece by piece (``Step.pieces``)."""
     n = len(compute)
     devices = set(device)
     load = load or {}
@@ -173,6 +187,7 @@ def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls:
     # computing (its slot's free event: the next copy into that slot waits for it alone)
     copy_free = {d: 0.0 for d in devices}
     disk_free = 0.0  # when the reader lane is free (one for the process)
+    bounce = [0.0, 0.0]  # when the copies that last read the two bounce pieces end (the next read's first)
     done: dict[int, list[float]] = {d: [0.0] * count[d] for d in devices}
     end = 0.0
     first_s = None
@@ -182,15 +197,16 @@ def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls:
     for k in range(calls):
         start = end
         fresh = k == 0 or not session  # nothing on the device: resident copies first
-        if not session:  # slots released after each forward: the first copies start with the next
-            done = {d: [start] * count[d] for d in devices}
         if fresh:
             copy_free = {d: max(copy_free[d], start) + load.get(d, 0.0) for d in devices}
+            disk_free = max(disk_free, start) + load_read  # the resident units' reads, first
         gate = {d: copy_free[d] if fresh else start for d in devices}  # compute waits for its residents
+        if fresh:  # the slots are made (free) once compute may start: after the resident copies
+            done = {d: [gate[d]] * count[d] for d in devices}
         # a forward is fixed by the copy streams and slots as they stand when it starts (relative
         # to its start): when they stand as they did one forward ago, that forward repeats forever
         now = tuple(round(t - start, 12) for d in sorted(devices) for t in [copy_free[d], *done[d]])
-        now += (round(max(disk_free - start, 0.0), 12),)
+        now += tuple(round(max(t - start, 0.0), 12) for t in (disk_free, *bounce))
         if now == state and not fresh:
             return first_s, step_s, tuple(stalls), copied
         state = None if fresh else now  # (a fresh call is no steady one)
@@ -203,10 +219,16 @@ def _run(compute, copy, device, hop, sync, slots, overlap, session, load, calls:
                 ready = gate[d]
             rd = read[i] if read is not None and moved[i] else None
             read_end = 0.0
-            if rd is not None and not sync[i]:  # the read stage: issued as its slot frees
-                read_end = disk_free = max(disk_free, done[d][frees[i]]) + rd
+            if rd is not None and not sync[i] and not (overlap and pieces is not None and pieces[i]):
+                read_end = disk_free = max(disk_free, done[d][frees[i]]) + rd  # issued as its slot frees
             if not moved[i]:
                 begin = ready
+            elif overlap and not sync[i] and pieces is not None and pieces[i]:
+                # the reader: each piece read once the slot is free, its bounce piece too, then copied
+                issue = done[d][frees[i]]
+                disk_free, t, bounce = _through(pieces[i], issue, disk_free, max(copy_free[d], issue), bounce)
+                copy_free[d] = t
+                begin = ready if ready > t else t
             elif waits[i]:
                 at = max(ready, copy_free[d])
                 if rd is not None and sync[i]:  # read when entered, then copied
@@ -237,14 +259,16 @@ def known(units: Sequence[PlanUnit]) -> bool:
 
 def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0, latency_s: float = 0.0,
                reads: Mapping[str, int] | None = None, disk_bytes_per_s: float | None = None,
-               read_copied: bool = True) -> list[Step]:
+               read_copied: bool = True, piece_bytes: int | None = None) -> list[Step]:
     """The steps of ``plan``'s segments a forward enters: their units' compute time (all passes)
     and, for a streamed segment, its bytes per forward over ``bytes_per_s`` plus ``latency_s`` per
     copy (one per unit and pass: each unit is copied from its own host master). A segment entered
     several times (a looped unit: a segment of its own) is copied on each entry, not prefetched.
     ``reads``: the bytes one pass reads of each disk-tier unit, at ``disk_bytes_per_s``: the
     segment's read stage (``Step.read_s``); ``read_copied`` False where the read fills the slot
-    itself (CPU): those units then copy nothing."""
+    itself (CPU): those units then copy nothing; ``piece_bytes`` (CUDA) the bounce buffer's
+    piece: a disk-tier unit is read and copied in pieces of it (``Step.pieces``), each copy with
+    its ``latency_s``."""
     if not known(plan.units):
         raise ValueError("the plan's units have no compute times (PlanUnit.compute_s)")
     if not bytes_per_s or bytes_per_s <= 0:
@@ -267,24 +291,86 @@ def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0, latency_s: float
                    if read_copied or u.name not in reads)
         on_disk = [u for u in us if u.name in reads]
         read = sum(reads[u.name] * u.calls for u in on_disk) / disk_bytes_per_s if on_disk else None
-        out.append(Step(compute, copy, device, sync=c.on_entry, after=c.after, read_s=read))
+        parts = None
+        if on_disk and piece_bytes and read_copied and not c.on_entry:
+            parts = tuple(p for u in us for p in _pieces(u, reads.get(u.name), piece_bytes, bytes_per_s,
+                                                         disk_bytes_per_s, latency_s))
+            copy = sum(c for _, c in parts)
+        out.append(Step(compute, copy, device, sync=c.on_entry, after=c.after, read_s=read, pieces=parts))
     return out
 
 
-def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0) -> float:
+def _pieces(u: PlanUnit, read: int | None, piece: int, bytes_per_s: float, disk_bytes_per_s: float,
+            latency_s: float, passes: int | None = None) -> list[tuple[float | None, float]]:
+    """A unit's (read, copy) seconds piece by piece through the bounce buffer (its read bytes
+    spread over its pieces as its bytes are), for each of its ``passes`` (its calls); one copy
+    from RAM where it is not read."""
+    passes = u.calls if passes is None else passes
+    if read is None:
+        return [(None, u.weight_bytes / bytes_per_s + latency_s)] * passes
+    n = u.weight_bytes
+    one = [((min(lo + piece, n) - lo) * read / max(n, 1) / disk_bytes_per_s,
+            (min(lo + piece, n) - lo) / bytes_per_s + latency_s) for lo in range(0, n, piece)]
+    return one * passes
+
+
+def _through(parts, issue: float, disk_free: float, t: float, bounce: list) -> tuple[float, float, list]:
+    """(read, copy) ``parts`` through the two-piece bounce buffer, reads from ``issue`` on, copies
+    from ``t`` on: (the reader lane free, the last copy's end, the bounce pieces' last copy ends)."""
+    for r, c in parts:
+        if r is None:
+            t += c
+            continue
+        disk_free = max(disk_free, issue, bounce[0]) + r
+        t = max(t, disk_free) + c
+        bounce = [bounce[1], t]
+    return disk_free, t, bounce
+
+
+def _load_chain(plan: Plan, bytes_per_s: float, latency_s: float, reads: Mapping[str, int] | None,
+                disk_bytes_per_s: float | None, piece_bytes: int | None) -> tuple[float, float]:
+    """(copies' end, reads' end) of ``plan``'s resident units when a call begins empty: one after
+    another, each copied after its read where it is in ``reads`` (piece by piece)."""
+    reads = reads or {}
+    parts = [p for u in (plan.units[i] for s in plan.segments if s.resident for i in s.units)
+             for p in _pieces(u, reads.get(u.name), piece_bytes or 1 << 62, bytes_per_s, disk_bytes_per_s or 1.0,
+                              latency_s, passes=1)]
+    disk_free, t, _ = _through(parts, 0.0, 0.0, 0.0, [0.0, 0.0])
+    return t, disk_free
+
+
+def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
+                 disk_bytes_per_s: float | None = None, piece_bytes: int | None = None) -> float:
     """Seconds the copies of ``plan``'s resident units take when a call begins with nothing on the
-    device (one copy per unit, entered or not: the executor places every resident unit)."""
-    return sum(u.weight_bytes / bytes_per_s + latency_s for s in plan.segments if s.resident
-               for u in (plan.units[i] for i in s.units))
+    device (one copy per unit, entered or not: the executor places every resident unit). A unit
+    in ``reads`` is read from disk first (at ``disk_bytes_per_s``, one read after another, through
+    the bounce buffer of ``piece_bytes`` pieces), its copy after its read and the copy before it."""
+    return _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes)[0]
+
+
+def load_read_seconds(plan: Plan, reads: Mapping[str, int] | None, disk_bytes_per_s: float | None,
+                      bytes_per_s: float = 1.0, latency_s: float = 0.0, piece_bytes: int | None = None) -> float:
+    """Seconds from a call's start until the reader lane is done with the resident units' reads
+    (when it begins empty)."""
+    if not reads:
+        return 0.0
+    return _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes)[1]
 
 
 def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
             latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
-            disk_bytes_per_s: float | None = None) -> Timeline:
+            disk_bytes_per_s: float | None = None, piece_bytes: int | None = None) -> Timeline:
     """The steady step time ``plan`` predicts, and its first call's: its segments through
     ``simulate`` with its slots (two: prefetch depth 1; one: depth 0). ``overlap`` False for CPU
     (copies synchronous; a disk read fills the slot itself); ``latency_s`` the fixed cost of one
-    copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s``."""
+    copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s`` (a
+    resident one is read when a call begins empty, before its copy); ``piece_bytes`` the bounce
+    buffer's piece (CUDA: reads and copies piece by piece; None: the one of the plan's tiers, or
+    a piece per unit)."""
+    if piece_bytes is None and overlap and reads:
+        t = plan.tiers
+        piece_bytes = t.bounce_bytes // 2 if t is not None and t.bounce_bytes else 1 << 62  # (BOUNCE_PIECES)
     steps = plan_steps(plan, bytes_per_s, latency_s=latency_s, reads=reads, disk_bytes_per_s=disk_bytes_per_s,
-                       read_copied=overlap)
-    return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: load_seconds(plan, bytes_per_s, latency_s)})
+                       read_copied=overlap, piece_bytes=piece_bytes if overlap else None)
+    copies, lane = _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes)
+    return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: copies}, lane)

@@ -156,9 +156,9 @@ class Transfers:
                           for o in ([m] if m is not None else masters_holding(self._unit(n)))]
                 staged_bytes = self._staged_bytes
                 if ahead:
-                    opened = bool(host)
+                    opened, reading = bool(host), any(c.func == self.reads.read_through for _, _, c in flat)
                     job = lambda: self._issue_flat([c for _, _, c in flat], None if opened else ev, ev_start,  # noqa: E731
-                                                   done, owners, staged_bytes)
+                                                   done, owners, staged_bytes, free if reading else None)
                     mark = self.reads.submit(job, done, (ev_start, done))
                     for dc in out.values():
                         dc.ready = mark
@@ -186,13 +186,18 @@ class Transfers:
             self.order_readers(self._ready(next(iter(out.values())).ready))
         return out
 
-    def _issue_flat(self, copies: list, ev, ev_start, done, owners: list, staged_bytes: int) -> None:
+    def _issue_flat(self, copies: list, ev, ev_start, done, owners: list, staged_bytes: int, free=None) -> None:
         """Issue ``copies`` on the copy stream (after ``ev``, where the host has not opened the
         transfer) and record ``done`` after them, whatever happens; then the host memory they read
         is marked read by them. On the reader thread for a transfer with disk reads (and the ones
-        after it), else on the host."""
+        after it), else on the host. ``free``: the slot's free event, which the reads wait for
+        (the reader's wait, not the host's: a read starts when its slot frees, as on CPU where it
+        fills the slot; the bounce pieces are not held for a copy that could not start yet). A
+        resident unit's buffer has none: its read starts when issued."""
         with torch.cuda.stream(self.copy_stream):
             try:
+                if free is not None:
+                    free.synchronize()
                 if ev is not None:
                     # hazard: overwriting a slot that queued kernels (compute or host readers) still read
                     # hazard: overwriting a slot before the group that last held it is done computing
