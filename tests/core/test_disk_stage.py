@@ -184,3 +184,34 @@ def test_a_reopened_weights_file_closes_its_old_descriptor_after_the_reads_issue
     disk.reader().submit(lambda: None).result()
     with pytest.raises(OSError):
         os.fstat(old)
+
+
+def test_sim_a_steady_call_reading_from_disk_waits_on_the_host_for_nothing(sim, monkeypatch, tmp_path):
+    """CUDA read-ahead: every unit on disk, so every group's reads and copies are issued on the
+    reader thread when its slot frees; the reader waits for the slot's free event and for each
+    bounce piece's last copy, the host for a group's reads only where it is entered (a join, no
+    device synchronisation): a steady call's host syncs do not grow with its reads (none here; with
+    the reads made by the host, each piece's refill waited on the host)."""
+    import pytest
+
+    from test_sim_cuda import cuda_engine
+    from vramcut_core.planning.tiers import RamBudgetError
+
+    model, ref, eng = _sim_mapped(sim, monkeypatch, tmp_path, 1)
+    with pytest.raises(RamBudgetError) as e, torch.no_grad():
+        eng.run(model, ids())
+    syncs = {}
+    for ram in (e.value.min_budget_bytes, 1 << 30):  # every unit on disk; every unit in RAM
+        eng = cuda_engine(model, eng.config.budget_bytes, ram_budget_bytes=ram)
+        with torch.no_grad(), eng.session():
+            for _ in range(2):
+                assert torch.equal(eng.run(model, ids()), ref)
+            s0, r0 = sim.host_syncs, sim.reader_syncs
+            assert torch.equal(eng.run(model, ids()), ref)
+        syncs[ram] = (sim.host_syncs - s0, sim.reader_syncs - r0)
+        if ram < 1 << 30:
+            plan = eng.last_plan
+            assert len(plan.tiers.disk_units) >= 3 and not plan.tiers.in_ram
+            assert eng.last_stats.disk_bytes_read == plan.tiers.disk_bytes_per_call
+    on_disk, in_ram = syncs[e.value.min_budget_bytes], syncs[1 << 30]
+    assert on_disk[0] == in_ram[0] and on_disk[1] > 0 == in_ram[1], syncs

@@ -165,4 +165,4 @@ def test_the_prediction_with_disk_reads_is_the_simulated_call_for_random_plans(s
         assert first is None or first < 0.05, drawn
 
 
-RANDOM_DISK_PLANS = 20
+RANDOM_DISK_PLANS = 8
