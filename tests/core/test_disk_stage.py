@@ -53,8 +53,10 @@ def test_cpu_a_disk_group_is_read_while_the_groups_before_it_compute(tmp_path, m
     assert log and all(name.startswith("vramcut-disk") for name, _ in log), "on the reader thread"
     # every read of a steady call overlaps compute: its group's read was issued before the units
     # ahead of it were done (the next call's first group: read while the next call's first units
-    # run); the last read is for a call that never comes (nothing computes after it)
-    assert [ok for _, ok in log] == [True] * (len(log) - 1) + [False], log
+    # run); the last read is for a call that never comes: whether the units of the call left
+    # after it was issued were still computing when the reader thread began it is up to the
+    # scheduler (a slow host, a loaded machine), so it is not asked
+    assert len(log) >= 2 and [ok for _, ok in log[:-1]] == [True] * (len(log) - 1), log
 
 
 # -- the timeline's reader lane and the choice by time -----------------------------------------
