@@ -6,7 +6,7 @@ import json
 
 from .budget import budget_gib, need_gib
 from .plan import Plan
-from ..model.tensors import fmt_bytes
+from ..model.tensors import fmt_bytes, fmt_seconds
 from .tiers import DEVICE, DISK, RAM, Tiers, tiers_to_json
 
 
@@ -100,7 +100,7 @@ def time_to_json(plan: Plan, steady: RunStats | None = None) -> dict | None:
         return None
     measured = steady.s_per_forward if steady is not None else None
     return {"predicted_s": t.predicted_s, "resident_s": t.resident_s, "source": t.source,
-            "measured_s": measured,
+            "bound_s": t.bound_s, "gap": t.gap, "measured_s": measured,
             "error": (t.predicted_s - measured) / measured if measured else None}
 
 
@@ -236,6 +236,8 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
         ratio = f"{tj['predicted_s'] / tj['resident_s']:.2f}× resident" if tj["resident_s"] > 0 else "resident 0 s"
         line = (f"predicted +{tj['predicted_s'] - tj['resident_s']:.3f} s/call over resident ({ratio}; "
                 f"compute times {tj['source']})")
+        if tj["gap"] is not None:
+            line += f"; at most {100 * tj['gap']:.1f} % slower than the fastest residency under the model"
         if tj["measured_s"] is not None:
             line += f"; measured {tj['measured_s']:.3f} s (error {100 * tj['error']:+.1f} %)"
         out.append(line)
@@ -262,7 +264,7 @@ def tiers_text(t: Tiers, parts: bool = False) -> str:
             f"{c[RAM]} in RAM ({fmt_bytes(t.ram_bytes)}), {c[DISK]} read from disk "
             f"({fmt_bytes(t.disk_bytes_per_call)} per call")
     s = t.disk_s_per_call
-    line += (f", {s:.3f} s predicted at {t.disk_bytes_per_s / 1e9:.2f} GB/s)" if s is not None
+    line += (f", {fmt_seconds(s)} predicted at {t.disk_bytes_per_s / 1e9:.2f} GB/s)" if s is not None
              else ", disk rate not measured)")
     if t.bounce_bytes:
         line += f"; bounce buffer {fmt_bytes(t.bounce_bytes)}"
