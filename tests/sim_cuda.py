@@ -37,7 +37,19 @@ moves only where it waits or observes. ``query()`` says complete only once the c
 the event's device has reached the event's time (the host keeps pace with compute, which runs
 eagerly here). Without durations, events are stamped with wall time as before.
 
-Host-blocking waits are counted (``sim.host_syncs``), and so are ``empty_cache`` calls
+Threads: the disk reader (``disk.reader()``) is ``SimReader`` while the simulator is on, one
+thread running jobs in order with the simulator's dispatch mode on. Each thread has its own view
+(``_ThreadView``): its virtual time, the stream positions it has waited for, its current streams;
+a job starts having seen what its submitter had, and the host that waits for a job
+(``result()``, ``exception()``) sees what the job saw and moves to when it ended
+(``sim.read_waits`` counts the joins that made the host wait). The bookkeeping is under one lock,
+and the checks are as strict as with one thread: an access is ordered only by what its own thread
+has seen. ``set_durations(disk_bytes_per_s=...)``: a disk read (``disk.read_into``, a CPU write
+into host memory, checked like one) takes its bytes over that rate on one reader lane, from when
+its thread issues it and the lane is free (``sim.disk_reads``), and a copy from the buffer it
+filled cannot start before it is done.
+
+Host-blocking waits are counted (``sim.host_syncs``; the reader's in ``sim.reader_syncs``), and so are ``empty_cache`` calls
 (``sim.empty_cache_calls``), a device-wide synchronisation under ``cudaMallocAsync``.
 
 Hazards are collected in ``sim.hazards`` (finalizers cannot raise); the fixture fails the test

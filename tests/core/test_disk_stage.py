@@ -229,3 +229,62 @@ def test_sim_a_steady_call_reading_from_disk_waits_on_the_host_for_nothing(sim, 
             assert eng.last_stats.disk_bytes_read == plan.tiers.disk_bytes_per_call
     on_disk, in_ram = syncs[e.value.min_budget_bytes], syncs[1 << 30]
     assert on_disk[0] == in_ram[0] and on_disk[1] > 0 == in_ram[1], syncs
+
+
+def test_sim_a_disk_group_is_read_while_the_groups_before_it_compute(sim, monkeypatch, tmp_path):
+    """CUDA read-ahead, shown by order as on CPU: each disk-tier group's transfer is issued to the
+    reader when its slot frees, and its read finishes only once a unit has computed after that
+    (or 2 s passed: a host that waited for the read where it issued the copy, as it did before
+    the reader issued the copies, computes nothing meanwhile)."""
+    import pytest
+
+    from vramcut_core.planning.tiers import RamBudgetError
+
+    from test_sim_cuda import cuda_engine
+
+    model, ref, eng = _sim_mapped(sim, monkeypatch, tmp_path, 1)
+    with pytest.raises(RamBudgetError) as e, torch.no_grad():
+        eng.run(model, ids())
+    eng = cuda_engine(model, eng.config.budget_bytes, ram_budget_bytes=e.value.min_budget_bytes)  # all on disk
+    computed = [0]
+    for m in model.modules():
+        if not list(m.children()):
+            m.register_forward_hook(lambda *_a: computed.__setitem__(0, computed[0] + 1))
+    log: list[tuple[str, bool]] = []
+    real, issued = disk.read_into, threading.local()
+
+    def gated(dest, reads):
+        lock, overlapped = threading.Event(), False
+        for _ in range(400):
+            if computed[0] > issued.seen:
+                overlapped = True
+                break
+            lock.wait(0.005)
+        log.append((threading.current_thread().name, overlapped))
+        return real(dest, reads)
+
+    class IssuedAt:
+        """The reader, each job told the compute count when the host issued it."""
+
+        def __init__(self, pool):
+            self.pool = pool
+
+        def submit(self, fn, *args):
+            seen = computed[0]
+
+            def job():
+                issued.seen = seen
+                return fn(*args)
+            return self.pool.submit(job)
+
+    with torch.no_grad(), eng.session():
+        for _ in range(2):
+            assert torch.equal(eng.run(model, ids()), ref)
+        pool = IssuedAt(disk.reader())
+        monkeypatch.setattr(disk, "reader", lambda: pool)
+        monkeypatch.setattr(disk, "read_into", gated)
+        outs = [eng.run(model, ids()) for _ in range(2)]
+    assert all(torch.equal(o, ref) for o in outs), "exact output"
+    assert len(log) >= 4 and all(name.startswith("vramcut-disk") for name, _ in log), "on the reader thread"
+    # the last read is for a call that never comes (see the CPU test)
+    assert [ok for _, ok in log[:-1]] == [True] * (len(log) - 1), log

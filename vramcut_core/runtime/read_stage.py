@@ -50,6 +50,33 @@ def count(st, reads: list) -> None:
         st.disk_bytes_read += sum(r[3] for r in reads)
 
 
+def issue_transfer(copy_stream, copies: list, ev, ev_start, done, owners: list, staged_bytes: int,
+                   free=None) -> None:
+    """Issue ``copies`` on ``copy_stream`` (after ``ev``, where the host has not opened the
+    transfer) and record ``done`` after them, whatever happens; then the host memory they read is
+    marked read by them (``owners``; ``staged_bytes`` staged for them). On the reader thread for a
+    transfer with disk reads (and the ones after it), else on the host. ``free``: the slot's free
+    event, which the reads wait for (the reader's wait, not the host's: a read starts when its
+    slot frees, as on CPU where it fills the slot; the bounce pieces are not held for a copy that
+    could not start yet). A resident unit's buffer has none: its read starts when issued."""
+    with torch.cuda.stream(copy_stream):
+        try:
+            if free is not None:
+                free.synchronize()
+            if ev is not None:
+                # hazard: overwriting a slot that queued kernels (compute or host readers) still read
+                # hazard: overwriting a slot before the group that last held it is done computing
+                copy_stream.wait_event(ev)
+                ev_start.record(copy_stream)
+            for copy in copies:
+                copy()
+        finally:
+            done.record(copy_stream)
+            host_memory.PAGE_LOCKED.staged(done, staged_bytes)
+            for owner in owners:
+                owner.read_by(copy_stream, done)
+
+
 class Ahead:
     """A CUDA transfer issued on the reader thread: its future, its copy-done event (recorded on
     the copy stream by the reader once the transfer's last copy is issued) and its timing pair."""

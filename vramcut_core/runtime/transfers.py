@@ -14,6 +14,9 @@ compute kernels at once) and the finalizer's drain (there, unpinning the masters
 same copies first); both stay: on a GPU kernels queue, and masters can outlive the executor. The
 finalizer blocks the host only while a copy is in flight (test_sim_switch.py checks both ways):
 collection may run it inside another engine's step.
+A transfer with disk reads is issued on the reader thread, its copies too, and so is every
+transfer of whole units while one is there (``read_stage``: the copy stream keeps the schedule's
+order; the host waits for it where the group is entered, and before it issues copies itself).
 May call torch, ``device_memory`` (to count subclass bytes), ``host_memory`` (masters to copy
 from), ``read_stage`` (disk-tier reads) and ``binding`` (where a tensor's master is).
 """
@@ -34,7 +37,7 @@ from .device_memory import DeviceCopy, DeviceMemory
 from .host_memory import (PAGE_LOCKED, HostMasters, BounceBuffer, _HostMaster, host_alloc_size,
                           masters_holding, staged)
 from .layout import quant_views, view
-from .read_stage import Ahead, ReadStage, count
+from .read_stage import Ahead, ReadStage, count, issue_transfer
 
 
 class Transfers:
@@ -101,7 +104,7 @@ class Transfers:
         masters = {n: self.masters.get(n) if n not in mem.resident_names else None for n in names}
         # host buffers are made here, before the copy stream is current (no stream owns them)
         bounces = {n: self.masters.bounce(n) if masters[n] is None and self.cuda else None for n in names}
-        flat: list[Callable[[], None]] = []   # the flat copies (CUDA: the reader's where it has any)
+        flat: list[tuple] = []   # (unit, base, issue) of the flat copies (CUDA: the reader's where it has any)
         with mem.pause():
             compute = ev = ev_start = None
             if self.cuda:
@@ -157,13 +160,14 @@ class Transfers:
                 staged_bytes = self._staged_bytes
                 if ahead:
                     opened, reading = bool(host), any(c.func == self.reads.read_through for _, _, c in flat)
-                    job = lambda: self._issue_flat([c for _, _, c in flat], None if opened else ev, ev_start,  # noqa: E731
-                                                   done, owners, staged_bytes, free if reading else None)
+                    job = functools.partial(issue_transfer, self.copy_stream, [c for _, _, c in flat],
+                                            None if opened else ev, ev_start, done, owners, staged_bytes,
+                                            free if reading else None)
                     mark = self.reads.submit(job, done, (ev_start, done))
                     for dc in out.values():
                         dc.ready = mark
                 else:
-                    self._issue_flat([], None, None, done, owners, staged_bytes)
+                    issue_transfer(self.copy_stream, [], None, None, done, owners, staged_bytes)
                     self.times.copies.append((ev_start, done))
                     for dc in out.values():
                         dc.ready = done
@@ -185,31 +189,6 @@ class Transfers:
         if self.cuda and sync:
             self.order_readers(self._ready(next(iter(out.values())).ready))
         return out
-
-    def _issue_flat(self, copies: list, ev, ev_start, done, owners: list, staged_bytes: int, free=None) -> None:
-        """Issue ``copies`` on the copy stream (after ``ev``, where the host has not opened the
-        transfer) and record ``done`` after them, whatever happens; then the host memory they read
-        is marked read by them. On the reader thread for a transfer with disk reads (and the ones
-        after it), else on the host. ``free``: the slot's free event, which the reads wait for
-        (the reader's wait, not the host's: a read starts when its slot frees, as on CPU where it
-        fills the slot; the bounce pieces are not held for a copy that could not start yet). A
-        resident unit's buffer has none: its read starts when issued."""
-        with torch.cuda.stream(self.copy_stream):
-            try:
-                if free is not None:
-                    free.synchronize()
-                if ev is not None:
-                    # hazard: overwriting a slot that queued kernels (compute or host readers) still read
-                    # hazard: overwriting a slot before the group that last held it is done computing
-                    self.copy_stream.wait_event(ev)
-                    ev_start.record(self.copy_stream)
-                for copy in copies:
-                    copy()
-            finally:
-                done.record(self.copy_stream)
-                PAGE_LOCKED.staged(done, staged_bytes)
-                for owner in owners:
-                    owner.read_by(self.copy_stream, done)
 
     def _ready(self, ready):
         """A group's copy-done event; a transfer still on the reader is waited for first (a read
@@ -264,7 +243,8 @@ class Transfers:
         if reads is not None:
             return dc, functools.partial(self.reads.read, buf, base, lay.nbytes, reads, self.stats), False
         if bounce is not None:
-            return dc, functools.partial(self._through_bounce, name, buf, base, bounce, compute), False
+            return dc, functools.partial(_through_bounce, unit, lay, functools.partial(self.binding.host, name), buf,
+                                         base, bounce, compute, self.copy_stream), False
         # a pageable master would make the copy wait for the compute stream on the host
         # (under a RAM budget nothing is staged: the copy is synchronous, on purpose)
         src_buf, async_ok = ((master.buf, True) if master.page_locked
@@ -301,31 +281,6 @@ class Transfers:
                 dev.record_stream(compute)
             dc.views[i] = dev
         # a staging buffer goes back to torch's host cache (reused after the copy)
-
-    def _through_bounce(self, name: str, buf: torch.Tensor, base: int, bounce: BounceBuffer, compute) -> None:
-        """Copy a file-backed unit's flat bytes into ``buf`` from byte ``base`` piece by piece
-        through the page-locked bounce buffer: the host fills a piece from the mapped tensors (as laid
-        out), the copy stream moves it, and an event per piece says when it may be filled again.
-        Its tensors stay where they are: the file mapping is their master."""
-        unit, lay = self._unit(name), self.memory.layout(name)
-        spans = [(off, n, self.binding.host(name, i)) for i, off, n in lay.flat]
-        spans += [(off, n, p) for i, sp in lay.quant.items()
-                  for (off, n), p in zip(sp, quant.parts(unit.tensors[i].tensor))]
-        spans = [(off, n, src.reshape(-1).view(torch.uint8)) for off, n, src in sorted(spans, key=lambda x: x[0])]
-        with bounce.lock:  # (the reader thread may be passing another executor's unit through it)
-            for lo in range(0, lay.nbytes, bounce.piece):
-                hi = min(lo + bounce.piece, lay.nbytes)
-                piece, k = bounce.take()
-                # the fill is host work, done at once: it is no copy the copy stream queues
-                with torch.cuda.stream(compute):
-                    for off, n, src in spans:
-                        a, b = max(off, lo), min(off + n, hi)
-                        if a < b:
-                            piece[a - lo:b - lo].copy_(src[a - off:b - off])
-                buf[base + lo:base + hi].copy_(piece[:hi - lo], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-                bounce.read_by(k, self.copy_stream, done)
 
     def _source(self, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """What a copy of one host tensor reads, and whether it may be asynchronous: on CUDA,
@@ -370,6 +325,32 @@ class Transfers:
                 self.times.waits.append((a, self.times.cuda_mark()))
             for c in group.values():  # one event for the group: ordered for all of it
                 c.ready = None
+
+
+def _through_bounce(unit, lay, host: Callable[[int], torch.Tensor], buf: torch.Tensor, base: int,
+                    bounce: BounceBuffer, compute, copy_stream) -> None:
+    """Copy a file-backed unit's flat bytes into ``buf`` from byte ``base`` piece by piece
+    through the page-locked bounce buffer: the host fills a piece from the mapped tensors (as laid
+    out; ``host(i)``: its tensor ``i``), ``copy_stream`` moves it, and an event per piece says when
+    it may be filled again. Its tensors stay where they are: the file mapping is their master."""
+    spans = [(off, n, host(i)) for i, off, n in lay.flat]
+    spans += [(off, n, p) for i, sp in lay.quant.items()
+              for (off, n), p in zip(sp, quant.parts(unit.tensors[i].tensor))]
+    spans = [(off, n, src.reshape(-1).view(torch.uint8)) for off, n, src in sorted(spans, key=lambda x: x[0])]
+    with bounce.lock:  # (the reader thread may be passing another executor's unit through it)
+        for lo in range(0, lay.nbytes, bounce.piece):
+            hi = min(lo + bounce.piece, lay.nbytes)
+            piece, k = bounce.take()
+            # the fill is host work, done at once: it is no copy the copy stream queues
+            with torch.cuda.stream(compute):
+                for off, n, src in spans:
+                    a, b = max(off, lo), min(off + n, hi)
+                    if a < b:
+                        piece[a - lo:b - lo].copy_(src[a - off:b - off])
+            buf[base + lo:base + hi].copy_(piece[:hi - lo], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(copy_stream)
+            bounce.read_by(k, copy_stream, done)
 
 
 def _copy_flat(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
