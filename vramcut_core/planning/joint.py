@@ -48,21 +48,26 @@ def fastest(plan: Plan, host: Mapping[str, tiers.HostUnit], ram_budget: int, bou
     best_s = step(best)
     if not disk_bytes_per_s or not best.tiers.disk_units or not options.residency:
         return best
-    seen = {plan.resident_units}
+    seen = {_shape(plan)}
     current = best
     for _ in range(ROUNDS):
         ram = set(current.tiers.in_ram)
         reads = {n: h.read_bytes for n, h in host.items() if h.fileable and n not in ram}
         found = residency.by_time(current, bytes_per_s, options, overlap, True, latency_s, reads,
                                   disk_bytes_per_s, lane)
-        if found.resident_units in seen:
+        if _shape(found) in seen:
             break
-        seen.add(found.resident_units)
+        seen.add(_shape(found))
         current = tiered(dataclasses.replace(found, tiers=None))
         s = step(current)
         if s < best_s * (1 - 1e-12):
             best, best_s = current, s
     return best
+
+
+def _shape(p: Plan) -> tuple:
+    """What a round can change: the resident units and the window."""
+    return p.resident_units, p.slots, p.slot_bytes
 
 
 def step_with_reads(plan: Plan, host: Mapping[str, tiers.HostUnit], bytes_per_s: float,

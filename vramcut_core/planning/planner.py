@@ -238,7 +238,7 @@ class UnitPlanner:
         lat = self.figures.latency_s(self.config)
         out = joint.fastest(plan, host, budget, bounce, bps, rate, self.options, overlap, lat,
                             lane=self._step_of(plan, rate) is not None)
-        if out.resident_units == plan.resident_units and out.slot_bytes == plan.slot_bytes:
+        if (out.resident_units, out.slots, out.slot_bytes) == (plan.resident_units, plan.slots, plan.slot_bytes):
             return dataclasses.replace(plan, tiers=out.tiers)
         return dataclasses.replace(out, source=plan.source, refit=plan.refit,
                                    time=self._time(out, plan.time.source, bps, overlap, lat))
