@@ -186,7 +186,7 @@ def tier_rows(name: str, units, options, pairs=TIER_PAIRS_GIB, split_unit=None) 
             continue
         step = predict(plan, bps).step_s
         cells = [f"{secs(step + t.disk_bytes_per_call / rate)}" for _, rate in DISKS]
-        out.append(f"| {name} | {label} | {gib(plan.resident_bytes)} | {gib(t.ram_bytes)} | "
+        out.append(f"| {name} | {label} | {gib(plan.resident_bytes)} | {gib(t.ram_bytes - t.held_bytes)} | "
                    f"{gib(t.disk_bytes_per_call)} | {secs(step)} | " + " | ".join(cells) + " |")
     return out
 
@@ -296,8 +296,12 @@ at an NVMe drive's stated sequential rate. The call is counted with no read hidd
 call on the link plus the reads: an upper bound (the reader reads a group when its slot frees,
 beside the compute of the groups before it, and feeds its copies; `timeline.predict` with the
 reads models that, this table does not). The RAM budget is per model; the page cache is not counted. Cells:
-resident bytes, bytes in RAM, bytes read from disk per call, the call without reads, and with
-them at each drive's rate.
+resident bytes, bytes in RAM (the flat copies of streamed blocks), bytes read from disk per call,
+the call without reads, and with them at each drive's rate. Where the RAM budget leaves room, the
+resident blocks' host copies are kept in RAM too (`Tiers.held`, not in the column), so a call
+outside a session reads nothing from disk for them. The engine, which knows its disk's rate,
+searches the residency with the reads of the tiers it gets (`joint.fastest`): under the model
+never slower than these cells, which show the residency chosen without the reads.
 """
 
 

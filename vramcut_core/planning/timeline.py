@@ -142,13 +142,14 @@ def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: boo
 
 def steady(compute: Sequence[float], copy: Sequence[float | None], device: Sequence[int],
            hop: Sequence[float], sync: Sequence[bool], slots: Mapping[int, int], overlap: bool = True,
-           session: bool = True, load: Mapping[int, float] | None = None
-           ) -> tuple[float, tuple[float, ...], tuple[bool, ...]]:
+           session: bool = True, load: Mapping[int, float] | None = None,
+           read: Sequence[float | None] | None = None) -> tuple[float, tuple[float, ...], tuple[bool, ...]]:
     """``simulate`` on plain lists, one entry per step (``Step``'s fields) and the slots of each
     device: (step seconds, stalls, copied). The planner's searches call it directly (no objects
     built per residency tried). ``load``: seconds each device's resident copies take when a call
-    begins with nothing on the device (the first of a session; every call outside one)."""
-    return _run(compute, copy, device, hop, sync, slots, overlap, session, load)[1:]
+    begins with nothing on the device (the first of a session; every call outside one); ``read``:
+    each step's read stage (``Step.read_s``), or None."""
+    return _run(compute, copy, device, hop, sync, slots, overlap, session, load, read=read)[1:]
 
 
 def first_call(compute: Sequence[float], copy: Sequence[float | None], device: Sequence[int],
@@ -314,47 +315,44 @@ def _pieces(u: PlanUnit, read: int | None, piece: int, bytes_per_s: float, disk_
     return one * passes
 
 
-def _through(parts, issue: float, disk_free: float, t: float, bounce: list) -> tuple[float, float, list]:
+def _through(parts, issue: float, disk_free: float, t: float, bounce: list,
+             serial: bool = False) -> tuple[float, float, list]:
     """(read, copy) ``parts`` through the two-piece bounce buffer, reads from ``issue`` on, copies
-    from ``t`` on: (the reader lane free, the last copy's end, the bounce pieces' last copy ends)."""
+    from ``t`` on: (the reader lane free, the last copy's end, the bounce pieces' last copy ends).
+    ``serial``: each read after the copy before it (the host waits for both: CPU)."""
     for r, c in parts:
         if r is None:
             t += c
             continue
-        disk_free = max(disk_free, issue, bounce[0]) + r
+        disk_free = max(disk_free, issue, bounce[0], t if serial else 0.0) + r
         t = max(t, disk_free) + c
         bounce = [bounce[1], t]
     return disk_free, t, bounce
 
 
 def _load_chain(plan: Plan, bytes_per_s: float, latency_s: float, reads: Mapping[str, int] | None,
-                disk_bytes_per_s: float | None, piece_bytes: int | None) -> tuple[float, float]:
+                disk_bytes_per_s: float | None, piece_bytes: int | None, overlap: bool = False) -> tuple[float, float]:
     """(copies' end, reads' end) of ``plan``'s resident units when a call begins empty: one after
-    another, each copied after its read where it is in ``reads`` (piece by piece)."""
+    another, each copied after its read where it is in ``reads`` (``overlap``, CUDA: piece by
+    piece, a read beside the copy before it; else each read after the copy before it)."""
     reads = reads or {}
     parts = [p for u in (plan.units[i] for s in plan.segments if s.resident for i in s.units)
              for p in _pieces(u, reads.get(u.name), piece_bytes or 1 << 62, bytes_per_s, disk_bytes_per_s or 1.0,
                               latency_s, passes=1)]
-    disk_free, t, _ = _through(parts, 0.0, 0.0, 0.0, [0.0, 0.0])
+    disk_free, t, _ = _through(parts, 0.0, 0.0, 0.0, [0.0, 0.0], serial=not overlap)
     return t, disk_free
 
 
 def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
-                 disk_bytes_per_s: float | None = None, piece_bytes: int | None = None) -> float:
+                 disk_bytes_per_s: float | None = None, piece_bytes: int | None = None, overlap: bool = False) -> float:
     """Seconds the copies of ``plan``'s resident units take when a call begins with nothing on the
     device (one copy per unit, entered or not: the executor places every resident unit). A unit
-    in ``reads`` is read from disk first (at ``disk_bytes_per_s``, one read after another, through
-    the bounce buffer of ``piece_bytes`` pieces), its copy after its read and the copy before it."""
-    return _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes)[0]
+    in ``reads`` (its host copy on disk) is read first, at ``disk_bytes_per_s``: its copy after its
+    read; ``overlap`` (CUDA) through the bounce buffer of ``piece_bytes`` pieces, the next read
+    beside this copy, else the next read after it."""
+    return _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes, overlap)[0]
 
 
-def load_read_seconds(plan: Plan, reads: Mapping[str, int] | None, disk_bytes_per_s: float | None,
-                      bytes_per_s: float = 1.0, latency_s: float = 0.0, piece_bytes: int | None = None) -> float:
-    """Seconds from a call's start until the reader lane is done with the resident units' reads
-    (when it begins empty)."""
-    if not reads:
-        return 0.0
-    return _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes)[1]
 
 
 def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
@@ -372,5 +370,5 @@ def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool 
         piece_bytes = t.bounce_bytes // 2 if t is not None and t.bounce_bytes else 1 << 62  # (BOUNCE_PIECES)
     steps = plan_steps(plan, bytes_per_s, latency_s=latency_s, reads=reads, disk_bytes_per_s=disk_bytes_per_s,
                        read_copied=overlap, piece_bytes=piece_bytes if overlap else None)
-    copies, lane = _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes)
+    copies, lane = _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes, overlap)
     return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: copies}, lane)
