@@ -254,9 +254,12 @@ def test_sim_a_disk_group_is_read_while_the_groups_before_it_compute(sim, monkey
     real, issued = disk.read_into, threading.local()
 
     def gated(dest, reads):
+        seen = getattr(issued, "seen", None)
+        if seen is None:  # issued before the gate was put on (for the call after the last one)
+            return real(dest, reads)
         lock, overlapped = threading.Event(), False
         for _ in range(400):
-            if computed[0] > issued.seen:
+            if computed[0] > seen:
                 overlapped = True
                 break
             lock.wait(0.005)
@@ -274,7 +277,10 @@ def test_sim_a_disk_group_is_read_while_the_groups_before_it_compute(sim, monkey
 
             def job():
                 issued.seen = seen
-                return fn(*args)
+                try:
+                    return fn(*args)
+                finally:
+                    issued.seen = None
             return self.pool.submit(job)
 
     with torch.no_grad(), eng.session():
