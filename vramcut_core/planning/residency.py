@@ -27,6 +27,8 @@ starts from that plan and searches residencies that fit the same budget, each pl
    model: the compute, the copies the copy stream must carry; ``PlanTime.gap`` on the plan): on
    the Flux-like 59-unit model of bench/bench_plan.py 5.7 % at 6 GiB, 2.6 % at 8 GiB, 0 at 12 GiB
    (the bound counts no stall, so it is loosest where copies are about as long as the compute).
+   At 8 GiB the local pass given 3000 moves instead of ``MAX_MOVES`` (2 s of planning) reaches
+   the bound: the 2.6 % there are the search's; at 6 GiB it finds nothing faster.
 4. for each residency the window has two slots or one (both tried), each the size of the largest
    streamed unit, the count-based rule's grown size or all the room (``WINDOWS``), whichever is
    faster (merging more units into one copy hides less of it). Residencies are timed by
