@@ -10,7 +10,15 @@ time, copy time of a streamed segment, read time of its disk-tier units, device)
 prefetch depth, the predicted step time and each segment's stall, the part of its copy (and
 read) that the compute before it did not hide. A disk read is one more lane: the process's one
 reader thread, feeding the copy (``Step.read_s``).
-``predict(plan, bytes_per_s)`` applies it to a plan. The one rule: no figure here is assumed;
+``predict(plan, bytes_per_s)`` applies it to a plan.
+
+What the model covers, each checked against the executor on the simulated accelerator
+(tests/core/test_sim_schedule.py): one and two slots with leading, trailing and interleaved
+resident units, in a session (the first call copies the resident units) and outside one (every
+call copies everything and ends when its copies have); a fixed cost per copy (``latency_s``, the
+bandwidth probe's fit); the reader lane of disk-tier units; looped units (a forward that enters
+a streamed group several times: ``walk``, the schedule walked entry by entry, since the slots
+then hold what the passes before left there). The one rule: no figure here is assumed;
 times come from a count over a measured throughput, or from a measurement.
 """
 from __future__ import annotations
@@ -19,6 +27,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from .plan import Plan, PlanUnit
+from . import walk
 from .schedule import schedule_of
 
 
@@ -287,4 +296,17 @@ def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool 
     copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s``."""
     steps = plan_steps(plan, bytes_per_s, latency_s=latency_s, reads=reads, disk_bytes_per_s=disk_bytes_per_s,
                        read_copied=overlap)
-    return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: load_seconds(plan, bytes_per_s, latency_s)})
+    load = load_seconds(plan, bytes_per_s, latency_s)
+    if overlap and not reads and walk.looped(plan):  # entered several times a call: walked entry by entry
+        calls = walk.call_times(plan, bytes_per_s, session, latency_s, load)
+        return _walked(calls, steps, session and schedule_of(plan).held)
+    return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: load})
+
+
+def _walked(calls: list[tuple[float, tuple[float, ...]]], steps: Sequence[Step], held: bool) -> Timeline:
+    """The ``Timeline`` of calls walked entry by entry (``walk``): its stalls are the steady
+    call's streamed entries', in the order they ran (a looped group once per pass); ``held``:
+    every group stays in its slot (nothing is copied after the first call)."""
+    step_s, stalls = calls[-1]
+    return Timeline(step_s, stalls, tuple(s.copy_s is not None and not held for s in steps),
+                    sum(s.compute_s for s in steps), sum(s.hop_s for s in steps), calls[0][0])
