@@ -27,7 +27,8 @@ What it checks, with the happens-before order of the streams (vector clocks, lik
   ``sim.device_calls`` with the device it resolved to, the current one.
 
 Durations (``sim.set_durations(copy_bytes_per_s=..., op_seconds=...)``): a virtual clock per
-stream. A copy from host memory takes ``copy_latency_s`` plus its bytes over ``copy_bytes_per_s``, an operator
+stream. A copy from host memory takes ``copy_latency_s`` plus its bytes over ``copy_bytes_per_s``, a copy
+from another device (a peer copy) ``peer_latency_s`` plus its bytes over ``peer_bytes_per_s``, an operator
 ``op_seconds(func, args, kwargs, out)`` seconds (``flop_seconds(flops_per_s)``: torch's FLOP count
 of the operator over a throughput); work on a stream starts when the stream's earlier work is done,
 after every event it waits for, and not before the host last saw the time (a synchronize, an event
@@ -409,6 +410,8 @@ class SimCuda:
         self.timed = False                # durations on (``set_durations``): virtual clocks
         self.copy_bytes_per_s: float | None = None
         self.copy_latency_s = 0.0
+        self.peer_bytes_per_s: float | None = None
+        self.peer_latency_s = 0.0
         self.op_seconds = None
         self.host_t = 0.0                 # the virtual time the host has last seen
         self.host_clock: dict[int, int] = {}
@@ -428,12 +431,14 @@ class SimCuda:
         self.stack: list[SimStream] = [self.compute]
 
     def set_durations(self, copy_bytes_per_s: float | None = None, op_seconds=None,
-                      copy_latency_s: float = 0.0) -> None:
-        """Give copies from host memory and operators durations (see the module docstring);
-        ``copy_latency_s``: the fixed cost of each copy from host memory."""
+                      copy_latency_s: float = 0.0, peer_bytes_per_s: float | None = None,
+                      peer_latency_s: float = 0.0) -> None:
+        """Give copies from host memory, peer copies and operators durations (see the module
+        docstring); ``copy_latency_s``, ``peer_latency_s``: the fixed cost of each such copy."""
         self.timed = True
         self.copy_bytes_per_s, self.op_seconds = copy_bytes_per_s, op_seconds
         self.copy_latency_s = copy_latency_s
+        self.peer_bytes_per_s, self.peer_latency_s = peer_bytes_per_s, peer_latency_s
 
     def copy_seconds(self, src: torch.Tensor) -> float:
         rec = self.recs.get(src.untyped_storage().data_ptr())
@@ -676,6 +681,8 @@ class SimCuda:
         _fill_fresh(out)
         rec = self.track_new(out, d_stream, host=False)
         pos = s_stream.issue()
+        if self.timed and self.peer_bytes_per_s:
+            s_stream.run_for(self.peer_latency_s + src.numel() * src.element_size() / self.peer_bytes_per_s)
         self.access(s_stream, pos, src, write=False, what=f"peer {func}")
         self.access(s_stream, pos, out, write=True, what=f"peer {func}")
         job = lambda d=_WeakView(out), s=_WeakView(src): _deferred_copy(d, s)  # noqa: E731

@@ -10,7 +10,7 @@ import random
 from vramcut_core import PlanUnit, build_plan
 from vramcut_core.planning import walk
 from vramcut_core.planning.plan import PlanOptions, plan_from_residency
-from vramcut_core.planning.timeline import Step, load_seconds, plan_steps, predict, simulate
+from vramcut_core.planning.timeline import Step, plan_steps, predict, simulate
 
 R = Step  # Step(compute) is resident; Step(compute, copy) is streamed
 
@@ -144,7 +144,7 @@ def test_a_call_walked_entry_by_entry_is_the_per_segment_timeline_where_nothing_
         size = max(units[i].weight_bytes for i in range(n) if i not in res)
         plan = plan_from_residency(units, 10**9, PlanOptions(), res, slots, size)
         tl = predict(plan, bps, session=session, latency_s=lat)
-        calls = walk.call_times(plan, bps, session, lat, load_seconds(plan, bps, lat))
+        calls = walk.call_times(plan, bps, session, lat)
         assert calls[-1][0] == pytest.approx(tl.step_s, rel=1e-9)
         assert calls[0][0] == pytest.approx(tl.first_s, rel=1e-9)
 

@@ -12,6 +12,9 @@ compute time and a bandwidth; without either the count-based plan is kept.
   for the device (``cached_host_to_device``: never measured here, never assumed).
 * Fixed cost per copy: ``EngineConfig.copy_latency_s``, else the bandwidth probe's fit (cached
   beside the bandwidth) where the bandwidth is the probe's, else 0.
+* Hops between two GPUs (a placement across devices): ``bandwidth.device_to_device``'s figures
+  of the link (rate and fixed cost of a peer copy), measured once within what both devices'
+  budgets leave, cached.
 * Throughput: ``EngineConfig.flops_per_s``, else ``bandwidth.matmul_throughput`` for the device and
   the module's compute dtype (a probe, once per device and dtype, cached), its matrices sized to
   what the budget leaves when it runs (``Figures.room``: the engine's budget less what it holds).
@@ -85,6 +88,19 @@ class Figures:
         if config.bandwidth_bytes_per_s:
             return float(config.bandwidth_bytes_per_s)
         return bandwidth.cached_host_to_device(config.device)
+
+    @staticmethod
+    def link(src: str, dst: str, room: int | None = None) -> tuple[float, float] | None:
+        """``(bytes_per_s, latency_s)`` of a hop from device ``src`` to ``dst`` (two GPUs:
+        ``bandwidth.device_to_device``, measured once with buffers of at most ``room`` bytes on
+        each, cached); None where it is not known."""
+        if torch.device(src).type != "cuda" or torch.device(dst).type != "cuda":
+            return None
+        try:
+            got = bandwidth.device_to_device(src, dst, max_bytes=room)
+        except Exception:  # a device this build of torch cannot name or use: no estimate
+            return None
+        return (got["bytes_per_s"], got["latency_s"] or 0.0) if got["bytes_per_s"] else None
 
     @staticmethod
     def latency_s(config) -> float:

@@ -18,7 +18,9 @@ resident units, in a session (the first call copies the resident units) and outs
 call copies everything and ends when its copies have); a fixed cost per copy (``latency_s``, the
 bandwidth probe's fit); the reader lane of disk-tier units; looped units (a forward that enters
 a streamed group several times: ``walk``, the schedule walked entry by entry, since the slots
-then hold what the passes before left there). The one rule: no figure here is assumed;
+then hold what the passes before left there); a placement across devices (``predict_devices``:
+each device's part with its own slots and streams, walked together with the hops between them,
+each a peer copy at its link's measured rate, tests/core/test_sim_hops.py). The one rule: no figure here is assumed;
 times come from a count over a measured throughput, or from a measurement.
 """
 from __future__ import annotations
@@ -298,7 +300,7 @@ def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool 
                        read_copied=overlap)
     load = load_seconds(plan, bytes_per_s, latency_s)
     if overlap and not reads and walk.looped(plan):  # entered several times a call: walked entry by entry
-        calls = walk.call_times(plan, bytes_per_s, session, latency_s, load)
+        calls = walk.call_times(plan, bytes_per_s, session, latency_s)
         return _walked(calls, steps, session and schedule_of(plan).held)
     return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: load})
 
@@ -310,3 +312,26 @@ def _walked(calls: list[tuple[float, tuple[float, ...]]], steps: Sequence[Step],
     step_s, stalls = calls[-1]
     return Timeline(step_s, stalls, tuple(s.copy_s is not None and not held for s in steps),
                     sum(s.compute_s for s in steps), sum(s.hop_s for s in steps), calls[0][0])
+
+
+def predict_devices(plans: Sequence[Plan], hops: Sequence[tuple[int, int, str, int]], bytes_per_s: float,
+                    links: Mapping[tuple[int, int], tuple[float, float]], session: bool = True,
+                    latency_s: float = 0.0) -> Timeline:
+    """The steady call of a forward placed on several devices, and its first: ``plans[d]`` device
+    d's part (in execution order, each with its own slots, copy stream and compute stream), ``hops``
+    the activations that cross between them, ``(source, destination, unit, bytes)`` as the plan
+    JSON lists them (``runtime.hops``: the unit they are moved for, "output" for the forward's
+    output moved home), each a peer copy of its link's ``links[(source, destination)]``:
+    ``(bytes_per_s, latency_s)``, the device-to-device figures ``bandwidth.device_to_device``
+    measures. Walked entry by entry (``walk``): a device's copies overlap the other devices'
+    compute, a hop waits for both devices' compute queued before it."""
+    secs = []
+    for a, b, unit, n in hops:
+        rate, lat = links[(a, b)]
+        if not rate or rate <= 0:
+            raise ValueError(f"the link {a}->{b} needs a positive rate, got {rate!r}")
+        secs.append((a, b, unit, lat + n / rate))
+    steps = [s for p in plans for s in plan_steps(p, bytes_per_s, latency_s=latency_s)]
+    calls = walk.walk(list(plans), walk.across(plans, secs), bytes_per_s, session, latency_s)
+    return Timeline(calls[-1][0], calls[-1][1], tuple(s.copy_s is not None for s in steps),
+                    sum(s.compute_s for s in steps), sum(h[3] for h in secs), calls[0][0])

@@ -41,6 +41,14 @@ _MAX_CALLS = 64  # calls walked at most before the last is taken as the steady o
 @dataclasses.dataclass
 class _Host:
     t: float = 0.0   # the latest time the host has seen (a wait, a completed event it queried)
+    # the staged copies in flight (``host_memory.PAGE_LOCKED``): each staged copy first queries
+    # them, and one complete (its device's compute has passed it) is a time the host has seen
+    staged: list = dataclasses.field(default_factory=list)
+
+    def query_staged(self) -> None:
+        done = [(d, t) for d, t in self.staged if t <= d.comp_t]
+        self.staged = [x for x in self.staged if x not in done]
+        self.t = max([self.t] + [t for _, t in done])
 
 
 @dataclasses.dataclass
@@ -70,14 +78,15 @@ def entries(plan: Plan) -> list[tuple[str, float]]:
 class _Device:
     """One device's executor as the walk sees it: its slots, its copy stream, its compute stream."""
 
-    def __init__(self, plan: Plan, bytes_per_s: float, latency_s: float, load_s: float, host: _Host) -> None:
+    def __init__(self, plan: Plan, bytes_per_s: float, latency_s: float, host: _Host) -> None:
         self.host = host
         self.plan, self.sched = plan, schedule_of(plan)
         by = {u.name: u for u in plan.units}
         self.cost = {g: sum(by[n].weight_bytes / bytes_per_s + latency_s for n in g) for g in plan.streamed_groups}
         self.resident = set(plan.resident_units)
         self.hooked = {u.name for u in plan.units if u.name not in self.resident} | set(self.sched.frees)
-        self.load_s = load_s
+        # a fresh call's resident copies, one per unit (``timeline.load_seconds``)
+        self.load_s = [by[n].weight_bytes / bytes_per_s + latency_s for n in plan.resident_units]
         self.slots: list[_Slot] = []
         self.copy_t = self.comp_t = 0.0
         self.open: _Slot | None = None
@@ -103,8 +112,11 @@ class _Device:
     def begin(self, fresh: bool) -> None:
         """``_begin``: the resident units copied (a fresh call), the slots made, the first group."""
         if fresh:
-            self.copy_t = max(self.copy_t, self.now()) + self.load_s
-            self.comp_t = max(self.comp_t, self.copy_t)   # compute waits for the resident copies
+            for secs in self.load_s:   # one copy each, staged through page-locked host memory
+                self.host.query_staged()
+                self.copy_t = max(self.copy_t, self.now()) + secs
+                self.comp_t = max(self.comp_t, self.copy_t)   # compute waits for it
+                self.host.staged.append((self, self.copy_t))
         while len(self.slots) < self.plan.slots:
             self.slots.append(_Slot(free=self.now()))
         groups = self.plan.streamed_groups
@@ -123,7 +135,8 @@ class _Device:
             return
         self.copy(nxt, slot)
 
-    def enter(self, name: str, compute: float, holding: bool) -> None:
+    def enter(self, name: str, holding: bool) -> None:
+        """``ScheduleWalk.enter``: the unit's group in a slot, compute waiting for its copy."""
         if name in self.hooked and name != self.current:
             self.close(name, holding)
             if name not in self.resident:
@@ -141,7 +154,9 @@ class _Device:
                     and (holding or name not in self.sched.ahead)):
                 self.copy(nxt, self.other_slot(self.last))
             self.current = name
-        self.comp_t = self.now() + compute
+
+    def compute(self, seconds: float) -> None:
+        self.comp_t = self.now() + seconds
 
     def end(self, holding: bool) -> None:
         self.close(None, holding)
@@ -151,11 +166,11 @@ class _Device:
             self.copy(g[0], self.other_slot(self.last))
 
 
-def call_times(plan: Plan, bytes_per_s: float, session: bool = True, latency_s: float = 0.0,
-               load_s: float = 0.0) -> list[tuple[float, tuple[float, ...]]]:
+def call_times(plan: Plan, bytes_per_s: float, session: bool = True, latency_s: float = 0.0
+               ) -> list[tuple[float, tuple[float, ...]]]:
     """``(seconds, stalls)`` of each call of ``plan`` on one device until the steady one (the
     last; the first is a session's first call): see ``walk``."""
-    return walk([(plan, entries(plan))], [0.0], bytes_per_s, session, latency_s, [load_s])
+    return walk([plan], [(0, n, c) for n, c in entries(plan)], bytes_per_s, session, latency_s)
 
 
 def looped(plan: Plan) -> bool:
@@ -164,33 +179,72 @@ def looped(plan: Plan) -> bool:
     return any(u.calls > 1 for u in plan.units if u.name in streamed)
 
 
-def walk(parts: Sequence[tuple[Plan, list[tuple[str, float]]]], hops: Sequence[float], bytes_per_s: float,
-         session: bool, latency_s: float, loads: Sequence[float], calls: int = _MAX_CALLS
-         ) -> list[tuple[float, tuple[float, ...]]]:
-    """``(seconds, stalls)`` of each call of a forward whose devices run ``parts`` one after
-    another (each: a device's plan and its entries), ``hops[d]`` the seconds the activations take
-    to reach device ``d`` from the one before (on the source's compute stream, after the
-    destination's compute is done with what it queued: a peer copy between the two streams);
-    ``loads[d]`` the seconds of device ``d``'s resident copies. Calls are walked until one ends
+def across(plans: Sequence[Plan], hops: Sequence[tuple[int, int, str, float]]) -> list[tuple]:
+    """The entries of a call of a forward placed on several devices (``plans[d]``: device d's
+    part, in execution order), each ``(device, unit, compute seconds)``, with the hops among them,
+    ``(src, dst, seconds)``: ``hops`` gives each move as (source device, destination device, the
+    unit it is made for, seconds); a move into the unit's device is made when it is first entered,
+    one out of it (the home rule: its outputs back home) after it is last entered, the output's
+    (unit "output") when the call ends."""
+    seq: list[tuple] = []
+    for d, p in enumerate(plans):
+        seq += [(d, n, c) for n, c in entries(p)]
+    dev = {n: d for d, n, _ in seq}
+    first = {n: i for i, (_, n, _) in reversed(list(enumerate(seq)))}
+    last = {n: i for i, (_, n, _) in enumerate(seq)}
+    before: dict[int, list] = {}
+    after: dict[int, list] = {}
+    for src, dst, unit, secs in hops:
+        if unit not in dev:
+            after.setdefault(len(seq) - 1, []).append((src, dst, secs))
+        elif dev[unit] == dst:
+            before.setdefault(first[unit], []).append((src, dst, secs))
+        else:
+            after.setdefault(last[unit], []).append((src, dst, secs))
+    out: list[tuple] = []
+    for i, e in enumerate(seq):  # a move in is made after the unit's entry has ordered its copy
+        out += [e + (tuple(before.get(i, ())),)] + after.get(i, [])
+    return out
+
+
+def _hop(devs: Sequence[_Device], src: int, dst: int, seconds: float) -> None:
+    """A peer copy (``tensor.to``): on the source's compute stream once the destination's is done
+    with what it queued (the barrier), then the destination waits for it."""
+    a, b = devs[src], devs[dst]
+    a.comp_t = max(a.comp_t, b.comp_t, a.host.t) + seconds
+    b.comp_t = max(b.comp_t, a.comp_t)
+
+
+def walk(plans: Sequence[Plan], seq: Sequence[tuple], bytes_per_s: float, session: bool, latency_s: float,
+         calls: int = _MAX_CALLS) -> list[tuple[float, tuple[float, ...]]]:
+    """``(seconds, stalls)`` of each call of a forward over devices ``plans`` (one executor each,
+    nested in that order), ``seq`` its entries in order: ``(device, unit, compute seconds[, hops
+    in])``, and hops ``(src, dst, seconds)`` (``_hop``); a unit's hops in are made once its
+    entry has ordered its copy, before it computes.
+    Calls are walked until one ends
     with the clocks and slots as the one before ended (relative to its end: from there every
     call repeats it), at most ``calls``; that one is the last. ``stalls``: what each streamed
-    entry of the call waited for its copy, devices in order."""
+    entry of the call waited for its copy, in the order they ran."""
     host = _Host()
-    devs = [_Device(p, bytes_per_s, latency_s, ld, host) for (p, _), ld in zip(parts, loads)]
+    devs = [_Device(p, bytes_per_s, latency_s, host) for p in plans]
     out: list[tuple[float, tuple[float, ...]]] = []
     state = None
     for k in range(calls):
         start = host.t
         for d in devs:
             d.begin(k == 0 or not session)
-        prev = None
-        for d, (_, seq), hop in zip(devs, parts, hops):
-            if prev is not None:  # the peer copy: on the source's stream, after both streams' work
-                prev.comp_t = max(prev.comp_t, d.comp_t, host.t) + hop
-                d.comp_t = max(d.comp_t, prev.comp_t)
-            for name, compute in seq:
-                d.enter(name, compute, session)
-            prev = d
+        stalls: list[float] = []
+        for e in seq:
+            if not isinstance(e[1], str):
+                _hop(devs, *e)
+                continue
+            d = devs[e[0]]
+            n = len(d.stalls)
+            d.enter(e[1], session)
+            stalls += d.stalls[n:]
+            for h in e[3] if len(e) > 3 else ():
+                _hop(devs, *h)
+            d.compute(e[2])
         for d in reversed(devs):  # the innermost executor's forward ends first
             d.end(session)
             host.t = max(host.t, d.comp_t)   # the forward's end event, read by the host
@@ -198,7 +252,7 @@ def walk(parts: Sequence[tuple[Plan, list[tuple[str, float]]]], hops: Sequence[f
             host.t = max([host.t] + [d.copy_t for d in devs])
             for d in devs:
                 d.slots.clear()
-        out.append((host.t - start, tuple(x for d in devs for x in d.stalls)))
+        out.append((host.t - start, tuple(stalls)))
         now = tuple(round(x - host.t, 12) for d in devs
                     for x in [d.copy_t, d.comp_t, *(v for s in d.slots for v in (s.ready, -1.0 if s.free is None else s.free))])
         now += tuple(s.group for d in devs for s in d.slots)
