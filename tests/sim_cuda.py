@@ -30,7 +30,9 @@ Durations (``sim.set_durations(copy_bytes_per_s=..., op_seconds=...)``): a virtu
 stream. A copy from host memory takes ``copy_latency_s`` plus its bytes over ``copy_bytes_per_s``, a copy
 from another device (a peer copy) ``peer_latency_s`` plus its bytes over ``peer_bytes_per_s``, an operator
 ``op_seconds(func, args, kwargs, out)`` seconds (``flop_seconds(flops_per_s)``: torch's FLOP count
-of the operator over a throughput); work on a stream starts when the stream's earlier work is done,
+of the operator over a throughput), and each executor call ``call_host_s`` of host work before it
+issues anything (the executor's own cost of a call: the simulator's host is otherwise instant);
+work on a stream starts when the stream's earlier work is done,
 after every event it waits for, and not before the host last saw the time (a synchronize, an event
 it queried as complete). Events carry the time they complete at, so ``elapsed_time`` and the
 executor's measured times show what overlapped. The host issues work ahead of the device: its time
@@ -412,6 +414,7 @@ class SimCuda:
         self.copy_latency_s = 0.0
         self.peer_bytes_per_s: float | None = None
         self.peer_latency_s = 0.0
+        self.call_host_s = 0.0
         self.op_seconds = None
         self.host_t = 0.0                 # the virtual time the host has last seen
         self.host_clock: dict[int, int] = {}
@@ -432,13 +435,15 @@ class SimCuda:
 
     def set_durations(self, copy_bytes_per_s: float | None = None, op_seconds=None,
                       copy_latency_s: float = 0.0, peer_bytes_per_s: float | None = None,
-                      peer_latency_s: float = 0.0) -> None:
+                      peer_latency_s: float = 0.0, call_host_s: float = 0.0) -> None:
         """Give copies from host memory, peer copies and operators durations (see the module
-        docstring); ``copy_latency_s``, ``peer_latency_s``: the fixed cost of each such copy."""
+        docstring); ``copy_latency_s``, ``peer_latency_s``: the fixed cost of each such copy;
+        ``call_host_s``: the host's own work of each executor call, before it issues anything."""
         self.timed = True
         self.copy_bytes_per_s, self.op_seconds = copy_bytes_per_s, op_seconds
         self.copy_latency_s = copy_latency_s
         self.peer_bytes_per_s, self.peer_latency_s = peer_bytes_per_s, peer_latency_s
+        self.call_host_s = call_host_s
 
     def copy_seconds(self, src: torch.Tensor) -> float:
         rec = self.recs.get(src.untyped_storage().data_ptr())
@@ -915,6 +920,16 @@ def _placement(device: torch.device) -> torch.device:
     return torch.device("cpu", device.index) if device.index is not None else torch.device("cpu")
 
 
+def _host_work(sim: SimCuda, forward):
+    """``SegmentedExecutor.forward`` after ``sim.call_host_s`` of the host's own work (the host
+    time moves on by it: what the call issues cannot start before)."""
+    def timed_forward(self, *a, **k):
+        if sim.timed and sim.call_host_s:
+            sim.host_t += sim.call_host_s
+        return forward(self, *a, **k)
+    return timed_forward
+
+
 @contextlib.contextmanager
 def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
     """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator.
@@ -980,6 +995,8 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         monkeypatch.setattr(host_memory, "_host_buffer", host_buffer_of(host_memory._host_buffer))
         hops = importlib.import_module(rt.__name__ + ".hops")
         monkeypatch.setattr(hops, "_device_of", sim.device_of)
+        executor = importlib.import_module(rt.__name__ + ".executor").SegmentedExecutor
+        monkeypatch.setattr(executor, "forward", _host_work(sim, executor.forward))
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))

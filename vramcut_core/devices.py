@@ -357,7 +357,8 @@ class SeveralDevices(DeviceSide):
             return None
         fig = self.planner.figures
         tl = timeline.predict_devices([d.plan for d in parts], [(index[a], index[b], u, n) for a, b, u, n in moves],
-                                      fig.bytes_per_s(self.config), links, latency_s=fig.latency_s(self.config))
+                                      fig.bytes_per_s(self.config), links, latency_s=fig.latency_s(self.config),
+                                      call_s=fig.call_s(self.config))
         return PlanTime(tl.step_s, sum(d.plan.time.resident_s for d in parts), parts[0].plan.time.source)
 
     def _stats(self, stats: dict[str, RunStats]) -> RunStats:

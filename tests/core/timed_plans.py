@@ -103,13 +103,15 @@ def plan_of(case: Case, shape: str, slots: int):
 
 
 def run_calls(sim, case: Case, plan, calls: int = 4, session: bool = True, bps: float = 2e7,
-              latency_s: float = 0.0) -> list[float]:
+              latency_s: float = 0.0, call_host_s: float = 0.0) -> list[float]:
     """Simulated seconds of each of ``calls`` forwards of ``plan`` (from one forward's end on the
-    compute stream to the next one's), outputs checked bit-equal."""
-    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS), copy_latency_s=latency_s)
+    compute stream to the next one's), outputs checked bit-equal. ``call_host_s``: the host's own
+    work of each executor call."""
+    sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS), copy_latency_s=latency_s,
+                      call_host_s=call_host_s)
     ex = SegmentedExecutor(case.lookup, "cuda", module=case.model)
     out = []
-    t = sim.compute.t
+    t = max(sim.compute.t, sim.host_t)
     with torch.no_grad():
         ctx = ex.session() if session else _null()
         with ctx:

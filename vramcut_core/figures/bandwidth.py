@@ -18,6 +18,9 @@ The bandwidth probe times a large copy and a small one (each the best of a few) 
 ``seconds = latency + bytes / bandwidth`` through them: ``bytes_per_s`` and ``latency_s`` (the
 fixed cost of one copy) are cached together, and the timeline charges both.
 
+``executor_call(device, measure)`` keeps the executor's own fixed cost of a call beside them
+(measured by the executor: a call of a plan with no units).
+
 ``device_to_device(src, dst)`` measures the link between two GPUs the same way (a large peer copy
 and a small one, as a hop makes them, fitted and cached under the link's name): a placement
 across devices times its hops by it.
@@ -235,6 +238,14 @@ def _fitted(key: str, about: dict, n: int, fit: Callable[[int], tuple[float, flo
                 entry = {"bytes_per_s": None, "latency_s": None, **about, "source": "unmeasurable"}
         _memo[key] = entry
         return dict(entry)
+
+
+def executor_call(device, measure_now: Callable[[], float]) -> dict:
+    """``{"call_s", "device", "source"}``: the executor's fixed cost of a call on ``device``
+    (``runtime.executor.call_seconds``, run by ``measure_now``) from memory, the cache file, or
+    measured now, kept beside the device's bandwidth figure."""
+    key = device_key(device)
+    return _figure(f"call:{key}", "call_s", {"device": key}, measure_now, {})
 
 
 def cached_latency(device) -> float:

@@ -278,7 +278,8 @@ class UnitPlanner:
         lat = self.figures.latency_s(self.config)
         plan = dataclasses.replace(residency.by_time(plan, bps, self.options, overlap=overlap, session=True,
                                                      latency_s=lat), source=plan.source)
-        predicted = timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat).step_s
+        predicted = timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat,
+                                     call_s=self.figures.call_s(self.config)).step_s
         resident = sum(u.compute_s for u in plan.units if u.entered)
         return dataclasses.replace(plan, time=PlanTime(predicted, resident, source))
 

@@ -16,7 +16,9 @@ What the model covers, each checked against the executor on the simulated accele
 (tests/core/test_sim_schedule.py): one and two slots with leading, trailing and interleaved
 resident units, in a session (the first call copies the resident units) and outside one (every
 call copies everything and ends when its copies have); a fixed cost per copy (``latency_s``, the
-bandwidth probe's fit); the reader lane of disk-tier units; looped units (a forward that enters
+bandwidth probe's fit); a fixed cost per call (``call_s``: the executor's own work of a call on
+the host, ``executor.call_seconds``, measured and cached beside the bandwidth); the reader lane
+of disk-tier units; looped units (a forward that enters
 a streamed group several times: ``walk``, the schedule walked entry by entry, since the slots
 then hold what the passes before left there); a placement across devices (``predict_devices``:
 each device's part with its own slots and streams, walked together with the hops between them,
@@ -291,18 +293,24 @@ def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0) -> floa
 
 def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
             latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
-            disk_bytes_per_s: float | None = None) -> Timeline:
+            disk_bytes_per_s: float | None = None, call_s: float = 0.0) -> Timeline:
     """The steady step time ``plan`` predicts, and its first call's: its segments through
     ``simulate`` with its slots (two: prefetch depth 1; one: depth 0). ``overlap`` False for CPU
     (copies synchronous; a disk read fills the slot itself); ``latency_s`` the fixed cost of one
-    copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s``."""
+    copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s``;
+    ``call_s`` the executor's own fixed cost of a call (``executor.call_seconds``, measured): on
+    CUDA host work before the call issues anything (the schedule walked with it, ``walk``), on
+    CPU (everything on one thread) added to each call."""
     steps = plan_steps(plan, bytes_per_s, latency_s=latency_s, reads=reads, disk_bytes_per_s=disk_bytes_per_s,
                        read_copied=overlap)
     load = load_seconds(plan, bytes_per_s, latency_s)
-    if overlap and not reads and walk.looped(plan):  # entered several times a call: walked entry by entry
-        calls = walk.call_times(plan, bytes_per_s, session, latency_s)
+    if overlap and not reads and (call_s or walk.looped(plan)):  # walked entry by entry
+        calls = walk.call_times(plan, bytes_per_s, session, latency_s, call_s)
         return _walked(calls, steps, session and schedule_of(plan).held)
-    return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: load})
+    tl = simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: load})
+    if not call_s:
+        return tl
+    return dataclasses.replace(tl, step_s=tl.step_s + call_s, first_s=tl.first_s and tl.first_s + call_s)
 
 
 def _walked(calls: list[tuple[float, tuple[float, ...]]], steps: Sequence[Step], held: bool) -> Timeline:
@@ -316,7 +324,7 @@ def _walked(calls: list[tuple[float, tuple[float, ...]]], steps: Sequence[Step],
 
 def predict_devices(plans: Sequence[Plan], hops: Sequence[tuple[int, int, str, int]], bytes_per_s: float,
                     links: Mapping[tuple[int, int], tuple[float, float]], session: bool = True,
-                    latency_s: float = 0.0) -> Timeline:
+                    latency_s: float = 0.0, call_s: float = 0.0) -> Timeline:
     """The steady call of a forward placed on several devices, and its first: ``plans[d]`` device
     d's part (in execution order, each with its own slots, copy stream and compute stream), ``hops``
     the activations that cross between them, ``(source, destination, unit, bytes)`` as the plan
@@ -324,7 +332,8 @@ def predict_devices(plans: Sequence[Plan], hops: Sequence[tuple[int, int, str, i
     output moved home), each a peer copy of its link's ``links[(source, destination)]``:
     ``(bytes_per_s, latency_s)``, the device-to-device figures ``bandwidth.device_to_device``
     measures. Walked entry by entry (``walk``): a device's copies overlap the other devices'
-    compute, a hop waits for both devices' compute queued before it."""
+    compute, a hop waits for both devices' compute queued before it; ``call_s`` as ``predict``'s,
+    once per device's executor."""
     secs = []
     for a, b, unit, n in hops:
         rate, lat = links[(a, b)]
@@ -332,6 +341,6 @@ def predict_devices(plans: Sequence[Plan], hops: Sequence[tuple[int, int, str, i
             raise ValueError(f"the link {a}->{b} needs a positive rate, got {rate!r}")
         secs.append((a, b, unit, lat + n / rate))
     steps = [s for p in plans for s in plan_steps(p, bytes_per_s, latency_s=latency_s)]
-    calls = walk.walk(list(plans), walk.across(plans, secs), bytes_per_s, session, latency_s)
+    calls = walk.walk(list(plans), walk.across(plans, secs), bytes_per_s, session, latency_s, call_s=call_s)
     return Timeline(calls[-1][0], calls[-1][1], tuple(s.copy_s is not None for s in steps),
                     sum(s.compute_s for s in steps), sum(h[3] for h in secs), calls[0][0])

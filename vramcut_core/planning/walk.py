@@ -16,6 +16,8 @@ entry by entry over the slots, with the executor's clocks:
   done: the next hooked entry; a slot whose group is computing has none, and a copy into it waits
   for all compute queued so far) and the host has seen the time it issues at;
 * compute runs entries one after another; a streamed entry waits for its group's copy;
+* each call first costs the host the executor's own work (``call_s``, per device's executor):
+  nothing the call issues starts before the host has done it;
 * the host sees the compute stream's time at the end of each call (the forward's timing event is
   read then); outside a session the call ends by waiting for every copy (the buffers are released)
   and begins by copying the resident units (compute waits for them), as a session's first call does.
@@ -166,11 +168,11 @@ class _Device:
             self.copy(g[0], self.other_slot(self.last))
 
 
-def call_times(plan: Plan, bytes_per_s: float, session: bool = True, latency_s: float = 0.0
-               ) -> list[tuple[float, tuple[float, ...]]]:
+def call_times(plan: Plan, bytes_per_s: float, session: bool = True, latency_s: float = 0.0,
+               call_s: float = 0.0) -> list[tuple[float, tuple[float, ...]]]:
     """``(seconds, stalls)`` of each call of ``plan`` on one device until the steady one (the
     last; the first is a session's first call): see ``walk``."""
-    return walk([plan], [(0, n, c) for n, c in entries(plan)], bytes_per_s, session, latency_s)
+    return walk([plan], [(0, n, c) for n, c in entries(plan)], bytes_per_s, session, latency_s, call_s=call_s)
 
 
 def looped(plan: Plan) -> bool:
@@ -216,7 +218,7 @@ def _hop(devs: Sequence[_Device], src: int, dst: int, seconds: float) -> None:
 
 
 def walk(plans: Sequence[Plan], seq: Sequence[tuple], bytes_per_s: float, session: bool, latency_s: float,
-         calls: int = _MAX_CALLS) -> list[tuple[float, tuple[float, ...]]]:
+         calls: int = _MAX_CALLS, call_s: float = 0.0) -> list[tuple[float, tuple[float, ...]]]:
     """``(seconds, stalls)`` of each call of a forward over devices ``plans`` (one executor each,
     nested in that order), ``seq`` its entries in order: ``(device, unit, compute seconds[, hops
     in])``, and hops ``(src, dst, seconds)`` (``_hop``); a unit's hops in are made once its
@@ -224,14 +226,17 @@ def walk(plans: Sequence[Plan], seq: Sequence[tuple], bytes_per_s: float, sessio
     Calls are walked until one ends
     with the clocks and slots as the one before ended (relative to its end: from there every
     call repeats it), at most ``calls``; that one is the last. ``stalls``: what each streamed
-    entry of the call waited for its copy, in the order they ran."""
+    entry of the call waited for its copy, in the order they ran. ``call_s``: the executor's own
+    work of a call on the host (``executor.call_seconds``), before each device's executor issues
+    anything: what it issues cannot start before."""
     host = _Host()
     devs = [_Device(p, bytes_per_s, latency_s, host) for p in plans]
     out: list[tuple[float, tuple[float, ...]]] = []
     state = None
     for k in range(calls):
         start = host.t
-        for d in devs:
+        for d in devs:  # each device's executor's call, nested: its host work, then its begin
+            host.t += call_s
             d.begin(k == 0 or not session)
         stalls: list[float] = []
         for e in seq:
