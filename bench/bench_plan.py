@@ -1,7 +1,8 @@
 """Planning speed: a 60-unit model, weight-only and measured plans, and the header planner on a
 24 GB file. Target: well under a second each. Also printed, not held to the target: residency
 chosen by time (``residency.by_time``) on 60- and 120-unit Flux-like models, with the predicted
-step of the count-based and the time-chosen plan. Run: python bench/bench_plan.py"""
+step of the count-based and the time-chosen plan, and the lower bound on any residency's step
+(``bound.lower_bound``) with the time-chosen plan's gap to it. Run: python bench/bench_plan.py"""
 from __future__ import annotations
 
 import json
@@ -47,6 +48,7 @@ def flux_like(doubles: int, singles: int) -> list[PlanUnit]:
 
 def _by_time() -> None:
     from vramcut_core import build_plan
+    from vramcut_core.planning.bound import lower_bound
     from vramcut_core.planning.residency import by_time, step_time
 
     bw = 25e9
@@ -58,8 +60,13 @@ def _by_time() -> None:
             t0 = time.process_time()
             timed = by_time(count, bw)
             cpu = time.process_time() - t0
+            t0 = time.process_time()
+            bound = lower_bound(count.units, budget, bw, count.measured)
+            cpu_bound = time.process_time() - t0
+            step = step_time(timed, bw)
             print(f"by_time {len(units):3d} units {budget >> 30:2d} GiB: {cpu * 1e3:7.1f} ms cpu; predicted step "
-                  f"{step_time(count, bw):.4f} s as many as fit, {step_time(timed, bw):.4f} s time-chosen")
+                  f"{step_time(count, bw):.4f} s as many as fit, {step:.4f} s time-chosen; bound {bound:.4f} s "
+                  f"({cpu_bound * 1e3:.1f} ms cpu): gap {100 * max(step / bound - 1, 0.0):.1f} %")
 
 
 def main() -> int:

@@ -63,8 +63,11 @@ def test_speed_time_on_cpu_plans_from_measured_unit_times_without_overlap():
     assert call_s > 0
     assert plan.time.predicted_s == pytest.approx(predict(plan, bps, overlap=False).step_s + call_s)
     assert plan.time.resident_s == pytest.approx(sum(u.compute_s for u in plan.units if u.entered))
+    # the least step any residency can reach under the model, and the plan's gap to it
+    assert plan.time.resident_s <= plan.time.bound_s <= plan.time.predicted_s * (1 + 1e-9)
     j = plan_to_json(plan, eng.stats, eng.steady_stats)["time"]
     assert j["source"] == "measured" and j["measured_s"] > 0 and j["error"] is not None
+    assert j["bound_s"] == plan.time.bound_s and j["gap"] == pytest.approx(plan.time.gap)
     assert eng.steady_stats.timed == 2
 
 

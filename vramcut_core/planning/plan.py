@@ -89,11 +89,20 @@ class PlanTime:
     """What a plan predicts per forward (``timeline.predict``): ``predicted_s`` for the plan,
     ``resident_s`` for every unit resident (its compute alone), ``source`` of the units' compute
     times: "flops" (the dry run's count over the measured throughput) or "measured" (a real
-    forward timed each unit)."""
+    forward timed each unit); ``bound_s`` the least step any residency under the budget can reach
+    under the model (``bound.lower_bound``): the plan is within ``gap`` of the fastest."""
 
     predicted_s: float
     resident_s: float
     source: str
+    bound_s: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """``predicted_s / bound_s - 1``: how far the plan may be from the fastest residency."""
+        if self.bound_s is None or self.bound_s <= 0:
+            return None
+        return max(self.predicted_s / self.bound_s - 1.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..model import quant
 from . import residency, tiers, timeline
+from .bound import lower_bound
 from ..figures import speed
 from ..figures.meters import UnitMeasurement
 from .budget import BudgetError, budget_error
@@ -281,7 +282,8 @@ class UnitPlanner:
         predicted = timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat,
                                      call_s=self.figures.call_s(self.config)).step_s
         resident = sum(u.compute_s for u in plan.units if u.entered)
-        return dataclasses.replace(plan, time=PlanTime(predicted, resident, source))
+        bound = lower_bound(plan.units, plan.budget_bytes, bps, plan.measured, overlap, lat)
+        return dataclasses.replace(plan, time=PlanTime(predicted, resident, source, bound))
 
 
 def _subtree(u: Unit) -> list[nn.Module]:

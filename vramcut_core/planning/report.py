@@ -100,7 +100,7 @@ def time_to_json(plan: Plan, steady: RunStats | None = None) -> dict | None:
         return None
     measured = steady.s_per_forward if steady is not None else None
     return {"predicted_s": t.predicted_s, "resident_s": t.resident_s, "source": t.source,
-            "measured_s": measured,
+            "bound_s": t.bound_s, "gap": t.gap, "measured_s": measured,
             "error": (t.predicted_s - measured) / measured if measured else None}
 
 
@@ -236,6 +236,8 @@ def plan_to_text(plan: Plan, title: str = "", stats: RunStats | None = None,
         ratio = f"{tj['predicted_s'] / tj['resident_s']:.2f}× resident" if tj["resident_s"] > 0 else "resident 0 s"
         line = (f"predicted +{tj['predicted_s'] - tj['resident_s']:.3f} s/call over resident ({ratio}; "
                 f"compute times {tj['source']})")
+        if tj["gap"] is not None:
+            line += f"; at most {100 * tj['gap']:.1f} % slower than the fastest residency under the model"
         if tj["measured_s"] is not None:
             line += f"; measured {tj['measured_s']:.3f} s (error {100 * tj['error']:+.1f} %)"
         out.append(line)
