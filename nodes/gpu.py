@@ -106,6 +106,17 @@ def weights_changing(state) -> None:
         e.weights_changed()
 
 
+def held_on(state, device) -> int:
+    """Device bytes the engines of a patch hold between forwards on ``device`` (a device without
+    an index: the current one of its type)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return 0
+    if dev.index is None and dev.type == "cuda" and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return sum(n for e in state.engines() for d, n in e.held_bytes_by_device.items() if torch.device(d) == dev)
+
+
 def held_bytes(state) -> int:
     """Device bytes the engines of a patch hold between forwards (weights the host counts as
     used memory when it decides whether cond and uncond fit in one batch)."""

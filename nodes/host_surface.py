@@ -160,6 +160,8 @@ SURFACE: tuple[Use, ...] = (
         newest=MP_SAME + ": clone(disable_dynamic=False, model_override=None, force_deepcopy=False) builds "
                          "self.__class__ and calls each attachment's on_model_patcher_clone"),
     Use(f"{MP}.model_size", kind="callable", newest=MP_SAME),
+    Use(f"{MP}.loaded_size", kind="callable", note="overridden: adds what the engines hold on the load device "
+        "(LoadedModel.model_offloaded_memory is model_size - loaded_size)", newest=MP_SAME),
     Use(f"{MP}.patch_weight_to_device", params=("key", "device_to"), kind="callable", newest=MP_SAME),
     Use(f"{MP}.patch_weight_to_device.return_weight", "guarded", kind="source", hosts="0.33.0",
         pattern=r"def patch_weight_to_device\([^)]*return_weight", note="the host's merge returns the merged weight",

@@ -23,7 +23,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 from comfy.patcher_extension import CallbacksMP
 
-from .gpu import held_bytes, host_fast_disk, weights_changing
+from .gpu import held_bytes, held_on, host_fast_disk, weights_changing
 from .lora import _host_patch_functions, merge_shape_changing_on_host, mergeable_patch_keys
 from .state import KEY, PatchState, VRAMCutError, running_on, state_of, wait_all_copies
 
@@ -195,6 +195,18 @@ class VRAMCutModelPatcher(comfy.model_patcher.ModelPatcher):
         if budget is None:
             return real
         return min(real, max(1, budget))
+
+    def loaded_size(self):
+        # what the engines hold on the load device between prompts (resident blocks kept for the
+        # next one) counts as loaded: the host then frees for this model only what it lacks of
+        # its budget (``model_memory_required``: model_size - loaded_size), not the bytes it
+        # already holds, so it does not unload a VAE or a text encoder for room already in use
+        base = super().loaded_size()
+        st = state_of(self) if hasattr(self, "attachments") else None
+        if st is None:
+            return base
+        held = held_on(st, self.load_device)
+        return base + min(held, max(0, self.model_size() - base))
 
 
 def _unpin_host_pins(model: torch.nn.Module, keys: frozenset) -> None:

@@ -131,6 +131,12 @@ def test_a_later_prompt_copies_nothing_the_engines_hold(comfy, pack, max_vram, m
         steady = first[-1]
         held = dict(engine.held_bytes_by_device)
         whole(module, host, sim)
+        # the host counts what the engines hold on its load device as loaded: it frees for the next
+        # prompt only what the budget lacks (it read 0 and freed the held bytes again, unloading
+        # other models for room this one already had)
+        on_load = held.get("cuda:0", 0)
+        assert on_load > 0 and clone.loaded_size() == on_load, (clone.loaded_size(), held)
+        assert mm.LoadedModel(clone).model_offloaded_memory() == clone.model_size() - on_load
 
         for k in (2, 3):
             outs_k, syncs = prompt(sim, clone, xs)
@@ -147,7 +153,7 @@ def test_a_later_prompt_copies_nothing_the_engines_hold(comfy, pack, max_vram, m
 
         # the host unloads the model: nothing is held on any device
         mm.unload_all_models()
-        assert engine.held_bytes == 0
+        assert engine.held_bytes == 0 and clone.loaded_size() == 0
         assert all(sim.allocs[i].allocated == 0 for i in range(1, n)), "memory left on another device"
         del clone, state, engine
         gc.collect()

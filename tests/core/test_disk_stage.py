@@ -27,11 +27,12 @@ def test_cpu_a_disk_group_is_read_while_the_groups_before_it_compute(tmp_path, m
     log: list[tuple[str, bool]] = []
     real = disk.read_into
 
-    def gated(dest, reads):
-        # the read finishes only once a unit's compute has ended after it began (or 2 s passed:
-        # a host blocked on this read computes nothing meanwhile)
-        seen, lock = computed[0], threading.Event()
-        overlapped = False
+    def gated(seen, dest, reads):
+        # the read finishes only once a unit's compute has ended after the read was issued (or
+        # 2 s passed: a host blocked on this read computes nothing meanwhile). From its issue, not
+        # from when the reader thread begins it: one read behind another may begin after the
+        # compute that hid it, on a loaded machine
+        lock, overlapped = threading.Event(), False
         for _ in range(400):
             if computed[0] > seen:
                 overlapped = True
@@ -40,21 +41,34 @@ def test_cpu_a_disk_group_is_read_while_the_groups_before_it_compute(tmp_path, m
         log.append((threading.current_thread().name, overlapped))
         return real(dest, reads)
 
+    class IssuedAt:
+        """The reader thread, each read told the compute count when the host issued it."""
+
+        def __init__(self, pool):
+            self.pool = pool
+
+        def submit(self, fn, *args):
+            if fn is not real:
+                return self.pool.submit(fn, *args)
+            return self.pool.submit(gated, computed[0], *args)
+
     with torch.no_grad(), eng.session():
         for _ in range(2):  # the plan is made and measured; the session's slots are kept
             assert torch.equal(eng.run(model, ids()), ref)
         plan = eng.last_plan
         disk_groups = [g for g in plan.streamed_groups if any(n in plan.tiers.disk_units for n in g)]
         assert plan.slots == 2 and len(disk_groups) >= 3
-        monkeypatch.setattr(disk, "read_into", gated)
+        pool = IssuedAt(disk.reader())
+        monkeypatch.setattr(disk, "reader", lambda: pool)
         outs = [eng.run(model, ids()) for _ in range(2)]
     assert all(torch.equal(o, ref) for o in outs), "exact output"
     assert eng.last_stats.disk_bytes_read == plan.tiers.disk_bytes_per_call, "the bytes read are the plan's"
     assert log and all(name.startswith("vramcut-disk") for name, _ in log), "on the reader thread"
     # every read of a steady call overlaps compute: its group's read was issued before the units
     # ahead of it were done (the next call's first group: read while the next call's first units
-    # run); the last read is for a call that never comes (nothing computes after it)
-    assert [ok for _, ok in log] == [True] * (len(log) - 1) + [False], log
+    # run); the last read is for a call that never comes: whether units of its call computed
+    # after it was issued depends on where in the call its slot freed, so it is not asked
+    assert len(log) >= 2 and [ok for _, ok in log[:-1]] == [True] * (len(log) - 1), log
 
 
 # -- the timeline's reader lane and the choice by time -----------------------------------------

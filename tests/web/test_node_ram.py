@@ -20,7 +20,7 @@ import test_browser as tb
 from test_node_look import _set_width, _view
 from test_node_truth import DEFAULT_WIDTH, DEVELOPER_WORDS, _tips
 
-from vramcut_core.model.tensors import fmt_bytes
+from vramcut_core.model.tensors import fmt_bytes, fmt_seconds
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 
@@ -29,10 +29,11 @@ RAM_COLOR = "#009e73"    # web/plan/theme.js COLORS.ram
 DISK_COLOR = "#d55e00"   # COLORS.disk
 BOUNCE_COLOR = "#cc79a7" # COLORS.bounce
 
-# fmtBytes (web/plan/format.js) on each number, in the page
+# fmtBytes and fmtSeconds (web/plan/format.js) on each number, in the page
 FMT_JS = """
-const [folder, sizes, done] = arguments;
-import(`/extensions/${folder}/plan/format.js`).then((f) => done(sizes.map((n) => f.fmtBytes(n))))
+const [folder, sizes, seconds, done] = arguments;
+import(`/extensions/${folder}/plan/format.js`)
+  .then((f) => done([sizes.map((n) => f.fmtBytes(n)), seconds.map((s) => f.fmtSeconds(s))]))
   .catch((e) => done({error: String(e)}));
 """
 
@@ -99,6 +100,9 @@ def test_ram_is_drawn_beside_vram_and_the_answer_says_the_disk_reads_per_call(co
     if t["bounce_bytes"]:
         assert fmt_bytes(t["bounce_bytes"]) in ram_tip and fmt_bytes(t["bounce_bytes"]) in table
     assert disk in table, table  # the answer line heads the table too
+    if t["disk_s_per_call"] is not None:  # the reads' predicted time, written alike in both
+        when = fmt_seconds(t["disk_s_per_call"])
+        assert f"+{when} predicted" in answer and f", {when} predicted at " in table, (when, answer, table)
 
     # the load: measured once the blocks left RAM, on the node (details), its tooltip and the table
     load = t["load"]  # (the decode ran under the tiers: its blocks left RAM)
@@ -144,8 +148,12 @@ def test_ram_is_drawn_beside_vram_and_the_answer_says_the_disk_reads_per_call(co
 
 
 def test_sizes_read_the_same_on_the_node_and_in_pythons_text(comfy_server, browser):
-    """fmtBytes (the node) and fmt_bytes (Python's table lines) write every size alike."""
+    """fmtBytes / fmtSeconds (the node) and fmt_bytes / fmt_seconds (Python's table lines) write
+    every size and time alike, ties included (toFixed rounds a tie away from zero, Python's
+    format to even: 1.25 MiB and 0.125 s read 1.2 MiB and 0.12 s there)."""
     tb._open(browser, comfy_server)
-    sizes = [0, 1000, 1024, 1536, 10 << 20, 99 << 20, 100 << 20, 128 << 20, 1000 << 20, 1 << 30, 3 * (1 << 30) // 2]
-    got = browser.execute_async_script(FMT_JS, comfy_server.pack_folder, sizes)
-    assert got == [fmt_bytes(n) for n in sizes], got
+    sizes = [0, 1000, 1024, 1536, 1280, 10 << 20, 99 << 20, 100 << 20, 128 << 20, 5 << 18, 1000 << 20, 1 << 30,
+             3 * (1 << 30) // 2, 1.125 * (1 << 30), -(5 << 18)]
+    seconds = [0, 0.0004, 0.0005, 0.00125, 0.0095, 0.01, 0.0125, 0.094, 0.095, 0.125, 0.135, 1.5, 9.99, 10, 12.5, 300]
+    got = browser.execute_async_script(FMT_JS, comfy_server.pack_folder, sizes, seconds)
+    assert got == [[fmt_bytes(n) for n in sizes], [fmt_seconds(s) for s in seconds]], got

@@ -4,6 +4,9 @@ Every byte figure the planner uses comes from here, so weights are counted one w
 """
 from __future__ import annotations
 
+import decimal
+import math
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -57,17 +60,39 @@ def tensor_nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
+def _fixed(x: float, digits: int) -> str:
+    """``x`` with ``digits`` decimals as JavaScript's ``toFixed`` writes it (the node's figures):
+    from the float's exact value, a tie rounded away from zero (Python's format rounds it to even:
+    1.25 MiB would read 1.2 here and 1.3 on the node)."""
+    return str(decimal.Decimal(x).quantize(decimal.Decimal(1).scaleb(-digits), rounding=decimal.ROUND_HALF_UP))
+
+
 def fmt_bytes(n: int | None) -> str:
-    """Human-readable size: GiB above 1 GiB, MiB above 1 MiB, else KiB."""
+    """Human-readable size: GiB above 1 GiB, MiB above 1 MiB, else KiB (as ``fmtBytes`` in
+    web/plan/format.js writes it)."""
     if n is None:
         return "—"
     if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
+        return f"{_fixed(n / GIB, 2)} GiB"
     if abs(n) >= MIB:
-        return f"{n / MIB:.1f} MiB"
+        return f"{_fixed(n / MIB, 1)} MiB"
     if abs(n) < 1024:
         return f"{n} B"
-    return f"{n / 1024:.1f} KiB"
+    return f"{_fixed(n / 1024, 1)} KiB"
+
+
+def fmt_seconds(s: float | None) -> str:
+    """Human-readable seconds, as the node writes them (``fmtSeconds``, web/plan/format.js):
+    whole seconds from 10 s, two decimals from 0.095 s, else milliseconds."""
+    if s is None or not math.isfinite(s):
+        return "?"
+    if s >= 10:
+        return f"{_fixed(s, 0)} s"
+    if s >= 0.095:
+        return f"{_fixed(s, 2)} s"
+    if s >= 0.0005:
+        return f"{_fixed(s * 1000, 0 if s >= 0.01 else 1)} ms"
+    return "0 s"
 
 
 def max_abs_diff(out, ref) -> tuple[float, bool]:

@@ -6,7 +6,7 @@ import json
 
 from .budget import budget_gib, need_gib
 from .plan import Plan
-from ..model.tensors import fmt_bytes
+from ..model.tensors import fmt_bytes, fmt_seconds
 from .tiers import DEVICE, DISK, RAM, Tiers, tiers_to_json
 
 
@@ -264,7 +264,7 @@ def tiers_text(t: Tiers, parts: bool = False) -> str:
             f"{c[RAM]} in RAM ({fmt_bytes(t.ram_bytes)}), {c[DISK]} read from disk "
             f"({fmt_bytes(t.disk_bytes_per_call)} per call")
     s = t.disk_s_per_call
-    line += (f", {s:.3f} s predicted at {t.disk_bytes_per_s / 1e9:.2f} GB/s)" if s is not None
+    line += (f", {fmt_seconds(s)} predicted at {t.disk_bytes_per_s / 1e9:.2f} GB/s)" if s is not None
              else ", disk rate not measured)")
     if t.bounce_bytes:
         line += f"; bounce buffer {fmt_bytes(t.bounce_bytes)}"
