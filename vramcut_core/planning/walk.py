@@ -19,14 +19,19 @@ entry by entry over the slots, with the executor's clocks:
 * each call first costs the host the executor's own work (``call_s``, per device's executor):
   nothing the call issues starts before the host has done it;
 * the host sees the compute stream's time at the end of each call (the forward's timing event is
-  read then); outside a session the call ends by waiting for every copy (the buffers are released)
-  and begins by copying the resident units (compute waits for them), as a session's first call does.
+  read then), and a staged copy's end once its device's compute has passed it (each staged copy
+  first reads the ones in flight: ``host_memory.PAGE_LOCKED``); outside a session the call ends by
+  waiting for every copy (the buffers are released) and begins by copying the resident units one
+  by one, staged (compute waits for them), as a session's first call does.
 
 The entries of a call: the units a forward enters in order, a run of units entered the same
 number of times k > 1 taken as a loop over that run (the run's units one after another, k
 times), each pass computing ``compute_s / calls``; a streamed group's copy per pass is its units'
-bytes over the bandwidth plus ``latency_s`` per unit. The steady call is the last of ``calls``
-calls (a looped call repeats within two or three); the first is the first call of a session.
+bytes over the bandwidth plus ``latency_s`` per unit. Calls are walked until one repeats the one
+before (``walk``); the first is the first call of a session. Not modelled: passes that are not
+one loop over a run of units (nested loops, counts that differ within a run), a loop across a
+device boundary (each device's entries are unrolled on their own), disk-tier reads (the reader
+lane is ``timeline.simulate``'s).
 """
 from __future__ import annotations
 
