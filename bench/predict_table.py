@@ -186,7 +186,7 @@ def tier_rows(name: str, units, options, pairs=TIER_PAIRS_GIB, split_unit=None) 
             continue
         step = predict(plan, bps).step_s
         cells = [f"{secs(step + t.disk_bytes_per_call / rate)}" for _, rate in DISKS]
-        out.append(f"| {name} | {label} | {gib(plan.resident_bytes)} | {gib(t.ram_bytes)} | "
+        out.append(f"| {name} | {label} | {gib(plan.resident_bytes)} | {gib(t.ram_bytes - t.held_bytes)} | "
                    f"{gib(t.disk_bytes_per_call)} | {secs(step)} | " + " | ".join(cells) + " |")
     return out
 
@@ -295,8 +295,12 @@ under the RAM budget by `tiers.choose` (every weight read from the checkpoint it
 at an NVMe drive's stated sequential rate. The reads are not hidden behind compute (the reader
 fills the bounce buffer when a copy is issued): the predicted call is the plan's call on the
 link plus the reads. The RAM budget is per model; the page cache is not counted. Cells:
-resident bytes, bytes in RAM, bytes read from disk per call, the call without reads, and with
-them at each drive's rate.
+resident bytes, bytes in RAM (the flat copies of streamed blocks), bytes read from disk per call,
+the call without reads, and with them at each drive's rate. Where the RAM budget leaves room, the
+resident blocks' host copies are kept in RAM too (`Tiers.held`, not in the column), so a call
+outside a session reads nothing from disk for them. The engine, which knows its disk's rate,
+searches the residency with the reads of the tiers it gets (`joint.fastest`): under the model
+never slower than these cells, which show the residency chosen without the reads.
 """
 
 

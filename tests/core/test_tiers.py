@@ -106,6 +106,34 @@ def test_mapped_weights_are_read_from_the_checkpoint_each_call(tmp_path):
         assert all(hm.file_backed([ut.tensor for ut in u.tensors]))
 
 
+def test_resident_units_kept_in_ram_where_the_budget_allows_are_not_read_again_by_calls_outside_a_session(tmp_path):
+    # calls outside a session release the device buffers after each call: the resident units are
+    # copied again by the next. With room in the RAM budget their host copies are kept in RAM
+    # (``Tiers.held``): no call reads them from the file again; without room they are read again
+    from vramcut_core.planning.timeline import load_seconds
+
+    model = mapped(lambda: TransformerStack(d=64), tmp_path)
+    ref = reference()
+    budget = int(budget_for(seeded(TransformerStack(d=64)), ids()) * 1.5)
+    roomy = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", ram_budget_bytes=10 ** 8))
+    outs = run(roomy, model, 3)
+    plan, t = roomy.last_plan, roomy.last_plan.tiers
+    assert all(torch.equal(o, ref) for o in outs) and plan.resident_units
+    assert roomy.last_stats.disk_bytes_read == 0, "the third call outside a session read nothing"
+    assert t.held == plan.resident_units and t.resident_disk_bytes == 0
+    assert t.held_bytes == sum(roomy.executor.memory.layout(n).nbytes for n in t.held)
+    assert roomy.executor.masters.tiers.host_bytes() == t.ram_bytes <= t.ram_budget_bytes
+    tight = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", ram_budget_bytes=40_000))
+    outs = run(tight, model, 3)
+    t2 = tight.last_plan.tiers
+    assert all(torch.equal(o, ref) for o in outs) and t2.held == ()
+    assert tight.last_stats.disk_bytes_read == t2.disk_bytes_per_call + t2.resident_disk_bytes
+    # the model: a call that begins with nothing on the device waits for the residents' reads
+    reads = {n: tight.executor.masters.tiers.host_unit(n).read_bytes for n in plan.resident_units}
+    assert load_seconds(plan, 1e9, 0.0, reads, 1e8) == pytest.approx(
+        load_seconds(plan, 1e9) + t2.resident_disk_bytes / 1e8)
+
+
 def test_weights_in_anonymous_memory_go_to_a_cache_file_written_once_and_removed_with_the_model(tmp_path):
     model = seeded(TransformerStack(d=64))
     eng = cpu_engine(model, 40_000)

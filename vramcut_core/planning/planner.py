@@ -9,7 +9,9 @@ takes on the device come from ``unit_bytes``, the executor's layout).
 Where the config chooses residency by time (``speed``), a measured plan's units carry their
 compute seconds (``PlanUnit.compute_s``: measured per unit where a forward was timed, else the dry
 run's FLOPs over the measured throughput), the residency is ``residency.by_time``'s and the plan
-carries its predicted step (``Plan.time``, ``timeline.predict``). The throughput probe and the
+carries its predicted step (``Plan.time``, ``timeline.predict``) and the bound on any residency's
+(``bound.lower_bound``). Under a RAM budget a timed plan's residency and host tiers are chosen
+together (``joint.fastest``: the residency sees the reads of its units streamed from disk). The throughput probe and the
 bandwidth figure come through ``speed.Figures`` (``bandwidth``'s cached measurements).
 
 The one rule: a plan is a function of the units, the figures and the config it is given; the
@@ -24,7 +26,7 @@ from typing import Callable
 from torch import nn
 
 from ..model import quant
-from . import residency, tiers, timeline
+from . import joint, residency, tiers, timeline
 from .bound import lower_bound
 from ..figures import speed
 from ..figures.meters import UnitMeasurement
@@ -227,8 +229,19 @@ class UnitPlanner:
         host = {u.name: self.host.host_unit(u.name) for u in plan.units}
         bounce = self.host.bounce_bytes(host)
         rate = self.host.disk_rate(list(host))
-        return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce, rate,
-                                                          self._step_of(plan, rate)))
+        bps = self.figures.bytes_per_s(self.config)
+        if plan.time is None or not rate or not bps:
+            return dataclasses.replace(plan, tiers=tiers.choose(plan, host, budget, bounce, rate,
+                                                              self._step_of(plan, rate)))
+        # timed: the residency sees the reads of the tiers it gets (``joint``)
+        overlap = speed.overlaps(self.config)
+        lat = self.figures.latency_s(self.config)
+        out = joint.fastest(plan, host, budget, bounce, bps, rate, self.options, overlap, lat,
+                            lane=self._step_of(plan, rate) is not None)
+        if (out.resident_units, out.slots, out.slot_bytes) == (plan.resident_units, plan.slots, plan.slot_bytes):
+            return dataclasses.replace(plan, tiers=out.tiers)
+        return dataclasses.replace(out, source=plan.source, refit=plan.refit,
+                                   time=self._time(out, plan.time.source, bps, overlap, lat))
 
     def _step_of(self, plan: Plan, disk_bytes_per_s: float | None):
         """The predicted step with given units on disk (``tiers.choose``'s ``step_of``), where the
@@ -279,11 +292,17 @@ class UnitPlanner:
         lat = self.figures.latency_s(self.config)
         plan = dataclasses.replace(residency.by_time(plan, bps, self.options, overlap=overlap, session=True,
                                                      latency_s=lat), source=plan.source)
+        return dataclasses.replace(plan, time=self._time(plan, source, bps, overlap, lat))
+
+    def _time(self, plan: Plan, source: str, bps: float, overlap: bool, lat: float) -> PlanTime:
+        """``plan``'s predicted step (no reads; the executor's measured cost of a call in it),
+        all-resident step and the bound on any residency's (which the cost of a call, host work
+        that can only delay a call, leaves a bound)."""
         predicted = timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat,
                                      call_s=self.figures.call_s(self.config)).step_s
         resident = sum(u.compute_s for u in plan.units if u.entered)
         bound = lower_bound(plan.units, plan.budget_bytes, bps, plan.measured, overlap, lat)
-        return dataclasses.replace(plan, time=PlanTime(predicted, resident, source, bound))
+        return PlanTime(predicted, resident, source, bound)
 
 
 def _subtree(u: Unit) -> list[nn.Module]:

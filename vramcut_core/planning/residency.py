@@ -7,7 +7,7 @@ that the compute before it does not hide (``timeline.simulate``). ``by_time(plan
 starts from that plan and searches residencies that fit the same budget, each planned with
 ``plan.plan_from_residency`` and timed with ``timeline.predict``:
 
-1. seeds from a dynamic programme over the forward's units in execution order (``stalls_dp``):
+1. seeds from a dynamic programme over the forward's units in execution order (``_stalls_dp``):
    which units stream, minimising their stalls plus a price per resident byte, where a streamed
    unit's copy hides behind the compute since its slot freed (two slots: since the streamed unit
    before it began, plus the carry that one's copy left; one slot: since it ended), path by
@@ -37,6 +37,10 @@ Planning time (bench/bench_plan.py, one CPU core): a Flux-like 59-unit model (Fl
 0.27-0.29 s, 116 units 0.48-0.69 s (0.07 and 0.15 s before both slot counts and every window
 were tried for each residency).
 
+Under a RAM budget (``reads``): the streamed units read from their files are timed with their
+reads (the reader lane, ``timeline.predict``'s ``reads``; or added whole where reads are not
+hidden); ``joint.fastest`` iterates this search and ``tiers.choose`` to a fixed point.
+
 The one rule: the answer is never slower than the count-based plan under the model (that plan is
 the first candidate, and only a strictly faster one replaces it); ties keep fewer bytes streamed,
 then fewer transfers. Without compute times for every unit a forward enters, or without a
@@ -45,7 +49,7 @@ bandwidth, the count-based plan comes back unchanged.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .plan import (NO_PREFETCH, WINDOW_SHARE, Plan, PlanOptions, PlanUnit, activation_reserve, make_plan,
                    _mergeable, plan_from_residency)
@@ -62,14 +66,22 @@ EXACT_KEPT = 32     # ... of which this many are timed in every window
 
 
 def by_time(plan: Plan, bytes_per_s: float | None, options: PlanOptions = PlanOptions(),
-            overlap: bool = True, session: bool = True, latency_s: float = 0.0) -> Plan:
+            overlap: bool = True, session: bool = True, latency_s: float = 0.0,
+            reads: Mapping[str, int] | None = None, disk_bytes_per_s: float | None = None,
+            read_lane: bool = True) -> Plan:
     """The fastest plan under ``plan``'s budget over its units (see the module docstring);
-    ``plan`` itself when it cannot be beaten or timed."""
+    ``plan`` itself when it cannot be beaten or timed. ``reads``: the bytes one pass reads of
+    each unit that is read from its file when it streams (its host tier is the disk), at
+    ``disk_bytes_per_s``: timed on the reader lane (``read_lane``, ``timeline.predict``'s
+    ``reads``) or, where reads are not hidden, added to the step whole."""
     units = plan.units
     if (not bytes_per_s or bytes_per_s <= 0 or not units or not known(units) or not options.residency
             or not plan.streamed_order):
         return plan
-    search = _Search(plan, bytes_per_s, options, overlap, session, latency_s)
+    if reads and (not disk_bytes_per_s or disk_bytes_per_s <= 0):
+        raise ValueError(f"disk_bytes_per_s must be a positive rate, got {disk_bytes_per_s!r}")
+    search = _Search(plan, bytes_per_s, options, overlap, session, latency_s, reads or {}, disk_bytes_per_s,
+                     read_lane)
     return search.run()
 
 
@@ -81,15 +93,28 @@ def make_fastest_plan(units: list[PlanUnit], budget: int, options: PlanOptions =
 
 
 def step_time(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
-              latency_s: float = 0.0) -> float:
-    return predict(plan, bytes_per_s, overlap, session, latency_s).step_s
+              latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
+              disk_bytes_per_s: float | None = None, read_lane: bool = True) -> float:
+    """The predicted steady step of ``plan``; with ``reads`` (see ``by_time``) its streamed
+    units' reads on the reader lane, or added whole (``read_lane`` False)."""
+    out = set(plan.streamed_order) if reads else ()
+    streamed = {u.name: reads[u.name] for u in plan.units if u.name in out and u.entered and u.name in reads}
+    if not streamed:
+        return predict(plan, bytes_per_s, overlap, session, latency_s).step_s
+    if read_lane:
+        return predict(plan, bytes_per_s, overlap, session, latency_s, streamed, disk_bytes_per_s).step_s
+    calls = {u.name: u.calls for u in plan.units}
+    return (predict(plan, bytes_per_s, overlap, session, latency_s).step_s
+            + sum(b * calls[n] for n, b in streamed.items()) / disk_bytes_per_s)
 
 
 class _Search:
     def __init__(self, plan: Plan, bps: float, options: PlanOptions, overlap: bool, session: bool,
-                 latency_s: float = 0.0) -> None:
+                 latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
+                 disk_bps: float | None = None, read_lane: bool = True) -> None:
         self.base, self.bps, self.options, self.overlap, self.session = plan, bps, options, overlap, session
         self.lat = latency_s
+        self.reads, self.disk_bps, self.lane = dict(reads or {}), disk_bps, read_lane
         units = self.units = plan.units
         self.budget = plan.budget_bytes
         self.act = activation_reserve(units) if plan.measured else 0
@@ -105,6 +130,13 @@ class _Search:
         self.calls = [u.calls for u in units]
         self.entered = [u.entered for u in units]
         self.mergeable = [_mergeable(u) for u in units]
+        # per unit when it streams: its read (seconds, all passes; None: not read from a file) and
+        # its copy (none where the read fills the slot itself: CPU, on the reader lane)
+        rd = [self.reads[u.name] * u.calls / disk_bps if u.name in self.reads else None for u in units]
+        self.rd = rd
+        self.x = [0.0 if r is not None and not overlap and read_lane
+                  else u.weight_bytes * u.calls / bps + self.lat * u.calls
+                  for u, r in zip(units, rd)]
         self.evals = 0
 
     # -- timing one residency ----------------------------------------------------------------
@@ -120,14 +152,16 @@ class _Search:
             return (predict(p, self.bps, True, self.session, self.lat).step_s, p.streamed_bytes_per_forward,
                     p.transfers_per_forward)
         c, wb, w, calls, entered, mergeable = self.c, self.wb, self.w, self.calls, self.entered, self.mergeable
-        bps = self.bps
+        x, rd = self.x, self.rd
         compute: list[float] = []
         copy: list[float | None] = []
+        read: list[float | None] = []
         sync: list[bool] = []
         streamed = transfers = 0
         kind = None          # the open segment: "r" resident, "s" streamed, None
         sc = 0.0             # its compute (units a forward enters)
-        sb = sw = sn = sk = 0  # streamed: bytes per forward, bytes in the slot, most calls, copies
+        sb = sw = sn = 0     # streamed: bytes per forward, bytes in the slot, most calls
+        sx, sr = 0.0, None   # streamed: copy seconds, read seconds (None: nothing read)
         live = False         # does a forward enter one of its units?
         last = False         # is its last unit mergeable?
 
@@ -141,10 +175,12 @@ class _Search:
                 else:
                     compute.append(sc)
                     copy.append(None)
+                    read.append(None)
                     sync.append(False)
             else:
                 compute.append(sc)
-                copy.append(sb / bps + self.lat * sk)
+                copy.append(sx)
+                read.append(sr)
                 sync.append(sn > 1)
                 streamed += sb
                 transfers += sn
@@ -162,17 +198,23 @@ class _Search:
                 sw += w[i]
             else:
                 close()
-                kind, sc, sb, sw, sn, sk, live = "s", 0.0, 0, w[i], 0, 0, False
+                kind, sc, sb, sw, sn, sx, sr, live = "s", 0.0, 0, w[i], 0, 0.0, None, False
             last = mergeable[i]
             if entered[i]:
                 sc += c[i]
                 sb += wb[i]
-                sk += calls[i]
+                sx += x[i]
+                if rd[i] is not None:
+                    sr = rd[i] if sr is None else sr + rd[i]
                 sn = max(sn, calls[i])
                 live = True
         close()
         n = len(compute)
-        t = steady(compute, copy, [0] * n, [0.0] * n, sync, {0: max(slots, 1)}, self.overlap, self.session)[0]
+        lane = self.lane and any(r is not None for r in read)
+        t = steady(compute, copy, [0] * n, [0.0] * n, sync, {0: max(slots, 1)}, self.overlap, self.session,
+                   read=read if lane else None)[0]
+        if not self.lane:  # reads not hidden: each costs its time
+            t += sum(r for r in read if r is not None)
         return (t, streamed, transfers)
 
     def timed(self, res: frozenset, kinds: tuple[str, ...] = WINDOWS) -> tuple | None:
@@ -218,7 +260,7 @@ class _Search:
     # -- the search ----------------------------------------------------------------------------
 
     def run(self) -> Plan:
-        start = _key(self.base, self.bps, self.overlap, self.session, self.lat)
+        start = self.key(self.base)
         seeds = []
         for r in self.dp_seeds() + self.spread_seeds():
             t = self.timed(r)
@@ -238,7 +280,12 @@ class _Search:
             return self.base
         p = self.plan_of(res, slots, size)
         # the plan itself, timed as ``predict`` times it, must beat the count-based plan
-        return p if _better(_key(p, self.bps, self.overlap, self.session, self.lat), start) else self.base
+        return p if _better(self.key(p), start) else self.base
+
+    def key(self, p: Plan) -> tuple:
+        """(step, bytes streamed, transfers) of plan ``p`` as ``predict`` times it, reads included."""
+        t = step_time(p, self.bps, self.overlap, self.session, self.lat, self.reads, self.disk_bps, self.lane)
+        return (t, p.streamed_bytes_per_forward, p.transfers_per_forward)
 
     def every_residency(self) -> list[tuple]:
         """Where few units may stream (``EXACT_FREE``), every residency that fits: up to
@@ -266,10 +313,11 @@ class _Search:
                 if room < 0:
                     continue
                 sync = not self.overlap
-                lo, hi = 0.0, 2.0 * max(units[i].calls for i in free) / self.bps
+                lo, hi = 0.0, 2.0 * max(units[i].calls / self.bps + (self.rd[i] or 0.0) / max(units[i].weight_bytes, 1)
+                                        for i in free)
                 for _ in range(DP_PRICES):
                     lam = (lo + hi) / 2
-                    streamed, res_bytes = self.stalls_dp(cap, lam, sync, room, slots)
+                    streamed, res_bytes = _stalls_dp(self, cap, lam, sync, room, slots)
                     if streamed is None:
                         break
                     if res_bytes <= room:
@@ -301,64 +349,6 @@ class _Search:
             if held + min(units[i].weight_bytes for i in picks) <= room:
                 out.append(self.must | frozenset(i for i in free if i not in picks))
         return out
-
-    def stalls_dp(self, cap: int, lam: float, sync: bool, room: int, slots: int = 2) -> tuple[set[int] | None, int]:
-        """The streamed units minimising (stall seconds + ``lam`` x free resident bytes), by dynamic
-        programming over the forward's units in execution order, where a streamed unit's stall is
-        its copy less the compute since the streamed unit before it began (its copy starts when
-        that one's slot frees it; all of its copy when ``sync``), and a unit streams only if it
-        holds at most ``cap`` bytes. Returns (streamed unit indices, free resident bytes)."""
-        units, bps = self.units, self.bps
-        order = [i for i, u in enumerate(units) if u.entered]
-        m = len(order)
-        c = [units[i].compute_s for i in order]
-        w = [0 if units[i].keep_resident else units[i].weight_bytes for i in order]
-        x = [units[i].weight_bytes * units[i].calls / bps + self.lat * units[i].calls for i in order]
-        can = [not units[i].keep_resident and units[i].weight_bytes <= cap for i in order]
-        loop = [sync or units[i].calls > 1 for i in order]
-        inf = float("inf")
-        cost = [inf] * m
-        carry = [0.0] * m  # on the chosen path: copy time the next copy had before this unit began
-        back = [-1] * m
-        for j in range(m):
-            if not can[j]:
-                continue
-            best, arg, h = inf, -2, 0.0
-            win, held = 0.0, 0  # compute and free resident bytes strictly between i and j
-            for i in range(j - 1, -2, -1):
-                if held > room:
-                    break
-                if i < 0 or can[i]:
-                    if i < 0:  # the first copy is made during the forward before: taken as hidden
-                        prev, avail = 0.0, inf
-                    elif slots == 1:  # its slot frees when the streamed unit before is done
-                        prev, avail = cost[i], win
-                    else:
-                        prev, avail = cost[i], carry[i] + c[i] + win
-                    stall = x[j] if loop[j] else max(0.0, x[j] - avail)
-                    v = prev + lam * held + stall
-                    if v < best:
-                        best, arg, h = v, i, 0.0 if loop[j] else min(max(0.0, avail - x[j]), win)
-                if i >= 0:
-                    win += c[i]
-                    held += w[i]
-            cost[j], back[j], carry[j] = best, arg, h
-        best, last, held = inf, None, 0
-        for j in range(m - 1, -1, -1):
-            if can[j] and cost[j] + lam * held < best:
-                best, last = cost[j] + lam * held, j
-            held += w[j]
-            if held > room:
-                break
-        if last is None:
-            return None, 0
-        streamed = set()
-        j = last
-        while j >= 0:
-            streamed.add(order[j])
-            j = back[j]
-        res_bytes = sum(units[i].weight_bytes for i in self.free if i not in streamed)
-        return streamed, res_bytes
 
     def improve(self, res: frozenset, kind: str) -> frozenset:
         """Local moves from residency ``res`` while they shorten the step (its windows of ``kind``
@@ -392,8 +382,64 @@ class _Search:
         return res
 
 
-def _key(p: Plan, bps: float, overlap: bool, session: bool, latency_s: float = 0.0) -> tuple:
-    return (step_time(p, bps, overlap, session, latency_s), p.streamed_bytes_per_forward, p.transfers_per_forward)
+def _stalls_dp(self: _Search, cap: int, lam: float, sync: bool, room: int,
+               slots: int = 2) -> tuple[set[int] | None, int]:
+    """The streamed units minimising (stall seconds + ``lam`` x free resident bytes), by dynamic
+    programming over the forward's units in execution order, where a streamed unit's stall is
+    its copy less the compute since the streamed unit before it began (its copy starts when
+    that one's slot frees it; all of its copy when ``sync``), and a unit streams only if it
+    holds at most ``cap`` bytes. Returns (streamed unit indices, free resident bytes)."""
+    units = self.units
+    order = [i for i, u in enumerate(units) if u.entered]
+    m = len(order)
+    c = [units[i].compute_s for i in order]
+    w = [0 if units[i].keep_resident else units[i].weight_bytes for i in order]
+    x = [self.x[i] + (self.rd[i] or 0.0) for i in order]  # a read delays its copy: a seed counts both
+    can = [not units[i].keep_resident and units[i].weight_bytes <= cap for i in order]
+    loop = [sync or units[i].calls > 1 for i in order]
+    inf = float("inf")
+    cost = [inf] * m
+    carry = [0.0] * m  # on the chosen path: copy time the next copy had before this unit began
+    back = [-1] * m
+    for j in range(m):
+        if not can[j]:
+            continue
+        best, arg, h = inf, -2, 0.0
+        win, held = 0.0, 0  # compute and free resident bytes strictly between i and j
+        for i in range(j - 1, -2, -1):
+            if held > room:
+                break
+            if i < 0 or can[i]:
+                if i < 0:  # the first copy is made during the forward before: taken as hidden
+                    prev, avail = 0.0, inf
+                elif slots == 1:  # its slot frees when the streamed unit before is done
+                    prev, avail = cost[i], win
+                else:
+                    prev, avail = cost[i], carry[i] + c[i] + win
+                stall = x[j] if loop[j] else max(0.0, x[j] - avail)
+                v = prev + lam * held + stall
+                if v < best:
+                    best, arg, h = v, i, 0.0 if loop[j] else min(max(0.0, avail - x[j]), win)
+            if i >= 0:
+                win += c[i]
+                held += w[i]
+        cost[j], back[j], carry[j] = best, arg, h
+    best, last, held = inf, None, 0
+    for j in range(m - 1, -1, -1):
+        if can[j] and cost[j] + lam * held < best:
+            best, last = cost[j] + lam * held, j
+        held += w[j]
+        if held > room:
+            break
+    if last is None:
+        return None, 0
+    streamed = set()
+    j = last
+    while j >= 0:
+        streamed.add(order[j])
+        j = back[j]
+    res_bytes = sum(units[i].weight_bytes for i in self.free if i not in streamed)
+    return streamed, res_bytes
 
 
 def _better(a: tuple, b: tuple) -> bool:

@@ -1,7 +1,8 @@
 """Host tiers: where each unit's host copy lives under a RAM budget, chosen by time.
 
 Pure data and free functions (no torch). Three tiers per unit: ``device`` (resident: copied once
-a session; its host copy is read from its file then, and held in RAM only where it cannot be),
+a session; its host copy is read from its file then, or kept in RAM where the budget leaves room:
+``held``, below),
 ``ram`` (streamed from a flat host master, page-locked where the page-lock room allows) and
 ``disk`` (streamed, its bytes read from a file each call through the page-locked bounce buffer on
 CUDA, straight into the slot on CPU).
@@ -22,6 +23,20 @@ disk and their RAM stays free. On CUDA a read is made when its copy is issued, b
 thread, so it is not hidden: every byte read costs its time at the disk's rate, and the
 predicted step is the plan's plus the reads. A budget below what one call needs (the units that
 must stay in RAM and the bounce buffer) is refused with the smallest ``max_ram_gb`` that works.
+
+Resident units outside a session: the executor releases its device buffers after every call made
+outside a session (and at the end of each one), so the next call copies its resident units again:
+from their files, read again, where their host copies are on disk (``timeline.load_seconds`` with
+``reads``: the call that begins with nothing on the device waits for those reads). The choice
+keeps them in RAM instead where the budget allows (``held``: a flat master each, counted in
+``ram_bytes``): after the streamed units, which cost every step, the room left takes resident units
+(by bytes read saved per byte of RAM, larger first), so a call outside a session, or the first of
+one, reads nothing from disk for them; the steady step is the same either way, so this never
+costs time, only RAM the budget had left unused. A resident unit that does not fit is read again
+each such call (``resident_disk_bytes``).
+
+Where a plan's residency is chosen by time, ``joint`` searches it with the reads of the tiers it
+gets (the residency and the tiers to a fixed point).
 """
 from __future__ import annotations
 
@@ -59,6 +74,8 @@ class Tiers:
     min_ram_bytes: int = 0                  # the smallest budget that works
     disk_bytes: int = 0                     # host copies left in their files (resident units' too)
     predicted_step_s: float | None = None   # the timeline's step with these reads (where it times them)
+    held: tuple[str, ...] = ()              # resident units whose host copy is kept in RAM (in ``in_ram``)
+    held_bytes: int = 0                     # their bytes (in ``ram_bytes``)
 
     @property
     def host_bytes(self) -> int:
@@ -76,6 +93,11 @@ class Tiers:
     @property
     def disk_units(self) -> tuple[str, ...]:
         return tuple(n for n, t in self.tier if t == DISK)
+
+    def host_tier(self, name: str) -> str | None:
+        """Where unit ``name``'s host copy is: RAM (a flat master: its tier is RAM, or it is a
+        resident unit ``held``), else its tier."""
+        return RAM if name in self.held else self.of(name)
 
 
 class RamBudgetError(BudgetError):
@@ -118,16 +140,24 @@ def choose(plan: Plan, host: Mapping[str, HostUnit], ram_budget: int, bounce_byt
                 room -= host[n].ram_bytes
     else:
         ram, room, step = _by_time(cands, host, room, step_of)
+    held = []  # the room left: resident units' host copies, so no call reads them from disk again
+    for n in sorted((n for n in order if n in resident and host[n].fileable),
+                    key=lambda n: (-host[n].read_bytes / max(1, host[n].ram_bytes), -host[n].ram_bytes,
+                                   order.index(n))):
+        if host[n].ram_bytes <= room:
+            held.append(n)
+            room -= host[n].ram_bytes
     tier = []
     for n in order:
         tier.append((n, DEVICE if n in resident else RAM if (n in ram or not host[n].fileable) else DISK))
-    in_ram = tuple(n for n in order if n in ram or not host[n].fileable)
+    in_ram = tuple(n for n in order if n in ram or n in held or not host[n].fileable)
     disk = [n for n, t in tier if t == DISK]
     per_call = sum(host[n].read_bytes * units[n].calls for n in disk if units[n].entered)
-    res_disk = sum(host[n].read_bytes for n in order if n in resident and host[n].fileable)
+    res_disk = sum(host[n].read_bytes for n in order if n in resident and host[n].fileable and n not in held)
     return Tiers(ram_budget, tuple(tier), in_ram, sum(host[n].ram_bytes for n in in_ram),
                  bounce_bytes if (disk or res_disk) else 0, per_call, res_disk, disk_bytes_per_s, need,
-                 sum(host[n].read_bytes for n in order if n not in in_ram), step)
+                 sum(host[n].read_bytes for n in order if n not in in_ram), step, tuple(n for n in order if n in held),
+                 sum(host[n].ram_bytes for n in held))
 
 
 def _by_time(cands: list[str], host: Mapping[str, HostUnit], room: int,
@@ -184,6 +214,7 @@ def tiers_to_json(t: Tiers | None, plan: Plan | None = None) -> dict | None:
         "host_bytes": t.host_bytes,
         "disk_bytes_per_call": t.disk_bytes_per_call,
         "resident_disk_bytes": t.resident_disk_bytes,
+        "held_bytes": t.held_bytes,
         "disk_bytes_per_s": t.disk_bytes_per_s,
         "disk_s_per_call": t.disk_s_per_call,
         "min_ram_bytes": t.min_ram_bytes,

@@ -142,13 +142,14 @@ def simulate(steps: Sequence[Step], depth: int | Sequence[int] = 1, overlap: boo
 
 def steady(compute: Sequence[float], copy: Sequence[float | None], device: Sequence[int],
            hop: Sequence[float], sync: Sequence[bool], slots: Mapping[int, int], overlap: bool = True,
-           session: bool = True, load: Mapping[int, float] | None = None
-           ) -> tuple[float, tuple[float, ...], tuple[bool, ...]]:
+           session: bool = True, load: Mapping[int, float] | None = None,
+           read: Sequence[float | None] | None = None) -> tuple[float, tuple[float, ...], tuple[bool, ...]]:
     """``simulate`` on plain lists, one entry per step (``Step``'s fields) and the slots of each
     device: (step seconds, stalls, copied). The planner's searches call it directly (no objects
     built per residency tried). ``load``: seconds each device's resident copies take when a call
-    begins with nothing on the device (the first of a session; every call outside one)."""
-    return _run(compute, copy, device, hop, sync, slots, overlap, session, load)[1:]
+    begins with nothing on the device (the first of a session; every call outside one); ``read``:
+    each step's read stage (``Step.read_s``), or None."""
+    return _run(compute, copy, device, hop, sync, slots, overlap, session, load, read=read)[1:]
 
 
 def first_call(compute: Sequence[float], copy: Sequence[float | None], device: Sequence[int],
@@ -284,11 +285,15 @@ def plan_steps(plan: Plan, bytes_per_s: float, device: int = 0, latency_s: float
     return out
 
 
-def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0) -> float:
+def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
+                 disk_bytes_per_s: float | None = None) -> float:
     """Seconds the copies of ``plan``'s resident units take when a call begins with nothing on the
-    device (one copy per unit, entered or not: the executor places every resident unit)."""
-    return sum(u.weight_bytes / bytes_per_s + latency_s for s in plan.segments if s.resident
-               for u in (plan.units[i] for i in s.units))
+    device (one copy per unit, entered or not: the executor places every resident unit); a
+    resident unit in ``reads`` (its host copy on disk) is read first, at ``disk_bytes_per_s``."""
+    reads = reads or {}
+    return sum(u.weight_bytes / bytes_per_s + latency_s
+               + (reads[u.name] / disk_bytes_per_s if u.name in reads and disk_bytes_per_s else 0.0)
+               for s in plan.segments if s.resident for u in (plan.units[i] for i in s.units))
 
 
 def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
@@ -297,13 +302,14 @@ def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool 
     """The steady step time ``plan`` predicts, and its first call's: its segments through
     ``simulate`` with its slots (two: prefetch depth 1; one: depth 0). ``overlap`` False for CPU
     (copies synchronous; a disk read fills the slot itself); ``latency_s`` the fixed cost of one
-    copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s``;
+    copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s`` (a
+    resident unit's read where a call begins with nothing on the device: ``load_seconds``);
     ``call_s`` the executor's own fixed cost of a call (``executor.call_seconds``, measured): on
     CUDA host work before the call issues anything (the schedule walked with it, ``walk``), on
     CPU (everything on one thread) added to each call."""
     steps = plan_steps(plan, bytes_per_s, latency_s=latency_s, reads=reads, disk_bytes_per_s=disk_bytes_per_s,
                        read_copied=overlap)
-    load = load_seconds(plan, bytes_per_s, latency_s)
+    load = load_seconds(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s)
     if overlap and not reads and (call_s or walk.looped(plan)):  # walked entry by entry
         calls = walk.call_times(plan, bytes_per_s, session, latency_s, call_s)
         return _walked(calls, steps, session and schedule_of(plan).held)

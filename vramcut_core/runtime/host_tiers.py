@@ -99,7 +99,14 @@ class HostTiers:
         return bounce_for(host, host_memory.BOUNCE_PIECE, host_memory.BOUNCE_PIECES)
 
     def of(self, name: str) -> str | None:
-        return self.tiers.of(name) if self.tiers is not None else None
+        """Where unit ``name``'s host copy is (``Tiers.host_tier``: a resident unit held in RAM is
+        RAM); None without a RAM budget."""
+        return self.tiers.host_tier(name) if self.tiers is not None else None
+
+    def in_ram(self, name: str) -> bool:
+        """Is unit ``name``'s host copy a flat master in RAM under the tiers (a resident unit
+        ``held`` included)?"""
+        return self.of(name) == RAM
 
     def reads(self, name: str) -> list[tuple[int, disk.WeightFile, int, int]] | None:
         """The reads that fill unit ``name``'s layout from its files; None unless it is on disk
@@ -116,7 +123,8 @@ class HostTiers:
         self.tiers = tiers
         if tiers is None:
             return
-        moving = [n for n, t in tiers.tier if t != RAM and self.host_unit(n).fileable and not self._made(n)]
+        moving = [n for n, _ in tiers.tier if tiers.host_tier(n) != RAM and self.host_unit(n).fileable
+                  and not self._made(n)]
         if moving:
             before, t0 = anonymous_bytes(), time.perf_counter()
             for name in moving:
@@ -125,8 +133,8 @@ class HostTiers:
             self.load.move_s += time.perf_counter() - t0
             if before is not None and after is not None:
                 self.load.released_bytes = (self.load.released_bytes or 0) + max(0, before - after)
-        for name, t in tiers.tier:  # the masters, made here (outside any forward's meter)
-            if t == RAM:
+        for name, _ in tiers.tier:  # the masters, made here (outside any forward's meter)
+            if tiers.host_tier(name) == RAM:
                 self._masters.get(name)
 
     def _state(self, name: str) -> tuple:

@@ -94,7 +94,9 @@ class Transfers:
         # hazard: a copy into a buffer the reader thread still writes (a read ahead never waited for)
         self.reads.wait(buf)
         self.reads.ahead = not self.cuda and not sync
-        masters = {n: self.masters.get(n) if n not in mem.resident_names else None for n in names}
+        # a resident unit copies from a master only where its host copy is held in RAM (a RAM budget's)
+        masters = {n: self.masters.get(n) if n not in mem.resident_names or self.masters.tiers.in_ram(n)
+                   else None for n in names}
         # host buffers are made here, before the copy stream is current (no stream owns them)
         bounces = {n: self.masters.bounce(n) if masters[n] is None and self.cuda else None for n in names}
         with mem.pause():
