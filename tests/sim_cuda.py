@@ -444,6 +444,7 @@ class SimCuda:
         self.copy_latency_s = copy_latency_s
         self.peer_bytes_per_s, self.peer_latency_s = peer_bytes_per_s, peer_latency_s
         self.call_host_s = call_host_s
+        _forget_call_figure()   # the host's cost of a call is this configuration's
 
     def copy_seconds(self, src: torch.Tensor) -> float:
         rec = self.recs.get(src.untyped_storage().data_ptr())
@@ -920,6 +921,23 @@ def _placement(device: torch.device) -> torch.device:
     return torch.device("cpu", device.index) if device.index is not None else torch.device("cpu")
 
 
+def _forget_call_figure() -> None:
+    """The executor's cost of a call measured on a simulated device (``bandwidth.executor_call``),
+    dropped from memory and the cache file: it is the simulator's configuration (timed or wall
+    clock, ``call_host_s``), which a new simulator or new durations change."""
+    import json
+
+    from vramcut_core.figures import bandwidth
+
+    with bandwidth._lock:
+        for k in [k for k in bandwidth._memo if k.startswith("call:")]:
+            del bandwidth._memo[k]
+        data = bandwidth._read_cache()
+        if any(k.startswith("call:") for k in data):
+            with open(bandwidth.cache_path(), "w", encoding="utf-8") as f:
+                json.dump({k: v for k, v in data.items() if not k.startswith("call:")}, f)
+
+
 def _host_work(sim: SimCuda, forward):
     """``SegmentedExecutor.forward`` after ``sim.call_host_s`` of the host's own work (the host
     time moves on by it: what the call issues cannot start before)."""
@@ -938,6 +956,7 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
     from vramcut_core import runtime
 
     sim = SimCuda(devices)
+    _forget_call_figure()   # a new simulated device
 
     def host_buffer_of(orig_host_buffer):
         def host_buffer(nbytes):
