@@ -123,6 +123,7 @@ def test_resident_units_kept_in_ram_where_the_budget_allows_are_not_read_again_b
     assert t.held == plan.resident_units and t.resident_disk_bytes == 0
     assert t.held_bytes == sum(roomy.executor.memory.layout(n).nbytes for n in t.held)
     assert roomy.executor.masters.tiers.host_bytes() == t.ram_bytes <= t.ram_budget_bytes
+    assert f"{len(t.held)} blocks on the device kept in RAM too" in tiers_text(t)
     tight = Engine(model, EngineConfig(budget_bytes=budget, device="cpu", ram_budget_bytes=40_000))
     outs = run(tight, model, 3)
     t2 = tight.last_plan.tiers

@@ -261,11 +261,13 @@ def tiers_text(t: Tiers, parts: bool = False) -> str:
     word = "part" if parts else "block"
     n = lambda k: f"{k} {word}{'' if k == 1 else 's'}"  # noqa: E731
     line = (f"host tiers under {t.ram_budget_bytes / 1024**3:.3f} GiB RAM: {n(c[DEVICE])} on the device, "
-            f"{c[RAM]} in RAM ({fmt_bytes(t.ram_bytes)}), {c[DISK]} read from disk "
+            f"{c[RAM]} in RAM ({fmt_bytes(t.ram_bytes - t.held_bytes)}), {c[DISK]} read from disk "
             f"({fmt_bytes(t.disk_bytes_per_call)} per call")
     s = t.disk_s_per_call
     line += (f", {fmt_seconds(s)} predicted at {t.disk_bytes_per_s / 1e9:.2f} GB/s)" if s is not None
              else ", disk rate not measured)")
+    if t.held:  # resident units whose host copies the budget's room keeps (no call reads them again)
+        line += f"; {n(len(t.held))} on the device kept in RAM too ({fmt_bytes(t.held_bytes)})"
     if t.bounce_bytes:
         line += f"; bounce buffer {fmt_bytes(t.bounce_bytes)}"
     return line
