@@ -118,9 +118,10 @@ def test_a_looped_call_is_predicted_entry_by_entry(sim, shape, slots, loop, sess
     not in a slot then (the pass's first, where the pass before left the slots with its last
     ones), prefetches the rest. The timeline walks the same schedule entry by entry
     (``planning.walk``). One segment per group with all its passes, copied whole when entered
-    (the model before), was off by 4 to 93 % on these cases: ``R S S R S`` looping over its first
-    three blocks twice, two slots, in a session, 19.33 ms predicted for 14.94 ms simulated;
-    ``S R S S`` looping over its middle two twice, 14.94 ms for 7.73 ms."""
+    (the model before), was up to 93 % off on these cases (exact on one slot looping over all
+    four): ``R S S R S`` looping over its first three blocks twice, two slots, in a session,
+    19.33 ms predicted for 14.94 ms simulated; ``S R S S`` looping over its middle two twice,
+    14.94 ms for 7.73 ms."""
     case = tp.build(sim, blocks_for(shape), loop)
     plan = tp.plan_of(case, shape, slots)
     times = tp.run_calls(sim, case, plan, calls=3, session=session)
