@@ -27,10 +27,8 @@ starts from that plan and searches residencies that fit the same budget, each pl
    model: the compute, the copies the copy stream must carry; ``PlanTime.gap`` on the plan): on
    the Flux-like 59-unit model of bench/bench_plan.py 5.7 % at 6 GiB, 2.6 % at 8 GiB, 0 at 12 GiB
    (the bound counts no stall, so it is loosest where copies are about as long as the compute).
-   Where a residency reaches the bound it is the fastest: the search stops there (59 units at
-   12 GiB: 0.06 s instead of 0.29 s; 116 units at 24 GiB 0.15 s instead of 0.66 s). At 8 GiB the
-   local pass, given 3000 moves instead of ``MAX_MOVES`` (2 s), reaches the bound too: the 2.6 %
-   are the search's, not only the bound's; at 6 GiB it finds nothing faster.
+   At 8 GiB the local pass given 3000 moves instead of ``MAX_MOVES`` (2 s of planning) reaches
+   the bound: the 2.6 % there are the search's; at 6 GiB it finds nothing faster.
 4. for each residency the window has two slots or one (both tried), each the size of the largest
    streamed unit, the count-based rule's grown size or all the room (``WINDOWS``), whichever is
    faster (merging more units into one copy hides less of it). Residencies are timed by
@@ -57,7 +55,6 @@ from typing import Callable, Mapping, Sequence
 
 from .plan import (NO_PREFETCH, WINDOW_SHARE, Plan, PlanOptions, PlanUnit, activation_reserve, make_plan,
                    _mergeable, plan_from_residency)
-from .bound import lower_bound
 from .timeline import known, predict, steady
 
 DP_PRICES = 12       # prices of a resident byte tried per largest streamed size (bisection)
@@ -143,7 +140,6 @@ class _Search:
                   else u.weight_bytes * u.calls / bps + self.lat * u.calls
                   for u, r in zip(units, rd)]
         self.evals = 0
-        self.bound = None if self.reads else lower_bound(units, self.budget, bps, plan.measured, overlap, latency_s)
 
     # -- timing one residency ----------------------------------------------------------------
 
@@ -277,8 +273,6 @@ class _Search:
             return self.base
         best = None
         for t, r in sorted(seeds, key=lambda s: s[0][0])[:SEEDS_IMPROVED]:
-            if best is not None and self.proved(best[0][0][0]):
-                break  # at the bound: no residency is faster
             r = self.improve(r, None)
             t = self.timed(r)  # every window again for the residency found
             if best is None or _better(t[0], best[0][0]):
@@ -289,11 +283,6 @@ class _Search:
         p = self.plan_of(res, slots, size)
         # the plan itself, timed as ``predict`` times it, must beat the count-based plan
         return p if _better(self.key(p), start) else self.base
-
-    def proved(self, step: float) -> bool:
-        """Is ``step`` at the least any residency can reach (``bound.lower_bound``; only without
-        reads, which a read filling the slot on the reader lane could hide)?"""
-        return self.bound is not None and step <= self.bound * (1 + 1e-9)
 
     def key(self, p: Plan) -> tuple:
         """(step, bytes streamed, transfers) of plan ``p`` as ``predict`` times it, reads included."""
@@ -392,8 +381,6 @@ class _Search:
                 if t is not None and _better(t[0], best[0]):
                     best, res, improved = t, cand, True
                     break
-            if self.proved(best[0][0]):
-                break
         return res
 
 
