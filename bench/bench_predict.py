@@ -157,8 +157,8 @@ def lines(rows: list[dict], runs: int) -> list[str]:
     out.append("(i): compute per unit = the engine's unit clock in its timed call (wall time, no meter); "
                "(ii): the dry run's FLOPs / the measured matrix-product rate; (iii): the plain model's measured "
                "call spread over the units by FLOPs (how docs/predicted.md uses a published time); "
-               "copies = streamed bytes / the measured copy rate, no overlap; the model has no term for the "
-               "executor's own cost per call or per copy")
+               "copies = streamed bytes / the measured copy rate, no overlap; these predictions leave out the "
+               "executor's own cost per call and per copy (the model's call_s and latency_s)")
     return out
 
 

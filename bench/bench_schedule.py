@@ -12,7 +12,8 @@ its copies hid. The same two figures are given to the engine (``EngineConfig.ban
 simulator runs Python at every operator), under the smallest budget for its shape plus half its
 weights at two link speeds: the engine's steady call (after its measuring and timed calls) against
 its plan's prediction. Then the plans of tests/core/test_sim_schedule.py (stacks of MLP blocks,
-each streamed or resident, one or two slots, in a session or not, three link speeds): the worst
+each streamed or resident, one or two slots, in a session or not, three link speeds, one in three
+looping over a run of its blocks): the worst
 error of the steady call and of a session's first call over ``RANDOM`` random plans. Not a GPU:
 it checks the model against the executor's schedule, not against a device.
 
@@ -95,15 +96,16 @@ def random_rows(sim) -> list[str]:
 
     rng = random.Random(38)
     worst = worst_first = 0.0
-    n_first = 0
+    n_first = n_loop = 0
     for _ in range(RANDOM):
-        err, first, _ = tp.random_errors(sim, rng)
+        err, first, drawn = tp.random_errors(sim, rng)
+        n_loop += drawn[4] is not None
         worst = max(worst, err)
         if first is not None:
             n_first += 1
             worst_first = max(worst_first, first)
     return [f"{RANDOM} random plans (4-8 blocks, each streamed or resident, 1 or 2 slots, 3 link speeds, "
-            f"{n_first} in a session): steady call worst |error| {worst:.3%}, first call of a session "
+            f"{n_first} in a session, {n_loop} looping over a run of blocks): steady call worst |error| {worst:.3%}, first call of a session "
             f"worst |error| {worst_first:.3%}"]
 
 

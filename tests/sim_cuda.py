@@ -27,9 +27,12 @@ What it checks, with the happens-before order of the streams (vector clocks, lik
   ``sim.device_calls`` with the device it resolved to, the current one.
 
 Durations (``sim.set_durations(copy_bytes_per_s=..., op_seconds=...)``): a virtual clock per
-stream. A copy from host memory takes ``copy_latency_s`` plus its bytes over ``copy_bytes_per_s``, an operator
+stream. A copy from host memory takes ``copy_latency_s`` plus its bytes over ``copy_bytes_per_s``, a copy
+from another device (a peer copy) ``peer_latency_s`` plus its bytes over ``peer_bytes_per_s``, an operator
 ``op_seconds(func, args, kwargs, out)`` seconds (``flop_seconds(flops_per_s)``: torch's FLOP count
-of the operator over a throughput); work on a stream starts when the stream's earlier work is done,
+of the operator over a throughput), and each executor call ``call_host_s`` of host work before it
+issues anything (the executor's own cost of a call: the simulator's host is otherwise instant);
+work on a stream starts when the stream's earlier work is done,
 after every event it waits for, and not before the host last saw the time (a synchronize, an event
 it queried as complete). Events carry the time they complete at, so ``elapsed_time`` and the
 executor's measured times show what overlapped. The host issues work ahead of the device: its time
@@ -541,6 +544,9 @@ class SimCuda:
         self.timed = False                # durations on (``set_durations``): virtual clocks
         self.copy_bytes_per_s: float | None = None
         self.copy_latency_s = 0.0
+        self.peer_bytes_per_s: float | None = None
+        self.peer_latency_s = 0.0
+        self.call_host_s = 0.0
         self.op_seconds = None
         # what each thread has seen (the host's, the disk reader's): ``_ThreadView``
         self.lock = threading.RLock()
@@ -590,14 +596,20 @@ class SimCuda:
             self.reader_syncs += 1
 
     def set_durations(self, copy_bytes_per_s: float | None = None, op_seconds=None,
-                      copy_latency_s: float = 0.0, disk_bytes_per_s: float | None = None) -> None:
-        """Give copies from host memory and operators durations (see the module docstring);
-        ``copy_latency_s``: the fixed cost of each copy from host memory; ``disk_bytes_per_s``:
-        the disk reader's rate (reads one after another on one lane)."""
+                      copy_latency_s: float = 0.0, peer_bytes_per_s: float | None = None,
+                      peer_latency_s: float = 0.0, call_host_s: float = 0.0,
+                      disk_bytes_per_s: float | None = None) -> None:
+        """Give copies from host memory, peer copies and operators durations (see the module
+        docstring); ``copy_latency_s``, ``peer_latency_s``: the fixed cost of each such copy;
+        ``call_host_s``: the host's own work of each executor call, before it issues anything;
+        ``disk_bytes_per_s``: the disk reader's rate (reads one after another on one lane)."""
         self.timed = True
         self.copy_bytes_per_s, self.op_seconds = copy_bytes_per_s, op_seconds
         self.copy_latency_s = copy_latency_s
+        self.peer_bytes_per_s, self.peer_latency_s = peer_bytes_per_s, peer_latency_s
+        self.call_host_s = call_host_s
         self.disk_bytes_per_s = disk_bytes_per_s
+        _forget_call_figure()   # the host's cost of a call is this configuration's
 
     def disk_read(self, dest: torch.Tensor, nbytes: int) -> None:
         """A read of ``nbytes`` from disk into host memory ``dest`` by the running thread: a CPU
@@ -857,6 +869,8 @@ class SimCuda:
         _fill_fresh(out)
         rec = self.track_new(out, d_stream, host=False)
         pos = s_stream.issue()
+        if self.timed and self.peer_bytes_per_s:
+            s_stream.run_for(self.peer_latency_s + src.numel() * src.element_size() / self.peer_bytes_per_s)
         self.access(s_stream, pos, src, write=False, what=f"peer {func}")
         self.access(s_stream, pos, out, write=True, what=f"peer {func}")
         job = lambda d=_WeakView(out), s=_WeakView(src): _deferred_copy(d, s)  # noqa: E731
@@ -1095,6 +1109,33 @@ def _placement(device: torch.device) -> torch.device:
     return torch.device("cpu", device.index) if device.index is not None else torch.device("cpu")
 
 
+def _forget_call_figure() -> None:
+    """The executor's cost of a call measured on a simulated device (``bandwidth.executor_call``),
+    dropped from memory and the cache file: it is the simulator's configuration (timed or wall
+    clock, ``call_host_s``), which a new simulator or new durations change."""
+    import json
+
+    from vramcut_core.figures import bandwidth
+
+    with bandwidth._lock:
+        for k in [k for k in bandwidth._memo if k.startswith("call:")]:
+            del bandwidth._memo[k]
+        data = bandwidth._read_cache()
+        if any(k.startswith("call:") for k in data):
+            with open(bandwidth.cache_path(), "w", encoding="utf-8") as f:
+                json.dump({k: v for k, v in data.items() if not k.startswith("call:")}, f)
+
+
+def _host_work(sim: SimCuda, forward):
+    """``SegmentedExecutor.forward`` after ``sim.call_host_s`` of the host's own work (the host
+    time moves on by it: what the call issues cannot start before)."""
+    def timed_forward(self, *a, **k):
+        if sim.timed and sim.call_host_s:
+            sim.host_t += sim.call_host_s
+        return forward(self, *a, **k)
+    return timed_forward
+
+
 @contextlib.contextmanager
 def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
     """Patch ``torch.cuda`` and the executor's seams for the duration; yields the simulator.
@@ -1103,6 +1144,7 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
     from vramcut_core import runtime
 
     sim = SimCuda(devices)
+    _forget_call_figure()   # a new simulated device
 
     def host_buffer_of(orig_host_buffer):
         def host_buffer(nbytes):
@@ -1170,6 +1212,8 @@ def simulated_cuda(monkeypatch, devices: int = 1, runtimes=()):
         disk = importlib.import_module(rt.__name__ + ".disk")
         monkeypatch.setattr(disk, "_READER", reader)
         monkeypatch.setattr(disk, "read_into", read_into_of(disk.read_into))
+        executor = importlib.import_module(rt.__name__ + ".executor").SegmentedExecutor
+        monkeypatch.setattr(executor, "forward", _host_work(sim, executor.forward))
     monkeypatch.setattr(cuda, "Stream", SimStream)
     monkeypatch.setattr(cuda, "Event", SimEvent)
     monkeypatch.setattr(cuda, "current_stream", lambda device=None: sim.current_stream(device))

@@ -33,7 +33,8 @@ from .model.tensors import fmt_bytes
 from .one_device import DeviceSide
 from .planning.placement import Placement, place
 from .planning.budget import BudgetError
-from .planning.plan import Plan, Segment
+from .planning import timeline
+from .planning.plan import Plan, PlanTime, Segment
 from .planning.report import RunStats
 from .runtime import hops as hops_room
 from .runtime.hops import HOME, KEEP, Hops
@@ -334,7 +335,31 @@ class SeveralDevices(DeviceSide):
         plan = combined_plan(placed[0], TRACED, shape.again_warnings)
         if self.refit is not None:
             plan = dataclasses.replace(plan, refit=self.refit)
-        shape.planned_as(plan, placed)
+        shape.planned_as(dataclasses.replace(plan, time=self._time(placed[0], placed[2])), placed)
+
+    def _time(self, pl: Placement, hops: list[dict]) -> PlanTime | None:
+        """The placement's predicted call (``timeline.predict_devices``: each device's part, its
+        hops at its link's measured rate), where every part is timed (``UnitPlanner.timed``) and
+        every link a hop crosses is measured (``speed.Figures.link``); else None."""
+        parts = pl.used
+        if not parts or any(d.plan.time is None for d in parts):
+            return None
+        index = {d.device: i for i, d in enumerate(parts)}
+        moves = [(h["src"], h["dst"], h["unit"], h["bytes"]) for h in hops]
+        if any(a not in index or b not in index for a, b, _, _ in moves):
+            return None  # a hop from a device given no units (the home one): not modelled
+        links = {}
+        for a, b, _, _ in moves:
+            if (index[a], index[b]) not in links:
+                room = min(dict(self.config.devices)[d] - self.group.executor_of(d).device_bytes for d in (a, b))
+                links[(index[a], index[b])] = self.planner.figures.link(a, b, max(room, 0))
+        if None in links.values():
+            return None
+        fig = self.planner.figures
+        tl = timeline.predict_devices([d.plan for d in parts], [(index[a], index[b], u, n) for a, b, u, n in moves],
+                                      fig.bytes_per_s(self.config), links, latency_s=fig.latency_s(self.config),
+                                      call_s=fig.call_s(self.config))
+        return PlanTime(tl.step_s, sum(d.plan.time.resident_s for d in parts), parts[0].plan.time.source)
 
     def _stats(self, stats: dict[str, RunStats]) -> RunStats:
         for dev, st in stats.items():

@@ -52,7 +52,7 @@ from .planning.budget import BudgetError
 from .planning.plan import Plan, PlanOptions, Refit, refit_budget
 from .planning.planner import UnitPlanner
 from .planning.report import RunStats, plan_to_json, plan_to_text
-from .runtime.executor import SegmentedExecutor
+from .runtime.executor import SegmentedExecutor, call_seconds
 from .shape import AGAIN, NEW, PLANNED, REFUSED, STEADY, TO_PLACE, TRACED, Shape, Shapes
 
 log = logging.getLogger("vramcut")
@@ -86,7 +86,7 @@ class Engine:
         self.group = self.side.group
         self.planner.block_bytes = self.executor.memory.block_bytes
         self.planner.host = self.executor.masters.tiers
-        self.planner.figures.room = lambda: self.probe_room_bytes  # probes run inside the budget
+        self.planner.figures.call_probe = call_seconds  # the executor's own cost of a call
         self.shapes = Shapes(self.planner.top)
         self.last_plan: Plan | None = None
         self.last_signature: tuple | None = None

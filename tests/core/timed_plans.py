@@ -45,12 +45,22 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, blocks) -> None:
+    """The blocks in order; ``loop`` (lo, hi, k): blocks lo .. hi - 1 run k times over, one pass
+    after another (a video VAE's decoder, frame by frame), each block entered k times."""
+
+    def __init__(self, blocks, loop: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
+        self.loop = loop
 
     def forward(self, x):
-        for b in self.blocks:
+        lo, hi, k = self.loop or (len(self.blocks), len(self.blocks), 0)
+        for b in self.blocks[:lo]:
+            x = b(x)
+        for _ in range(k):
+            for b in self.blocks[lo:hi]:
+                x = b(x)
+        for b in self.blocks[hi if self.loop else lo:]:
             x = b(x)
         return x
 
@@ -64,22 +74,25 @@ class Case:
     lookup: object         # name -> Unit
 
 
-def build(sim, blocks) -> Case:
+def build(sim, blocks, loop: tuple[int, int, int] | None = None) -> Case:
     """The stack in host memory, its input, its plain output and its plan units (each with its
-    compute seconds at ``FLOPS``)."""
+    compute seconds at ``FLOPS``, all passes; a looped block's ``calls`` its passes)."""
     with sim.host_memory(), torch.no_grad():
-        model = seeded(Stack(blocks))
+        model = seeded(Stack(blocks, loop))
         x = torch.randn(1, N, D, generator=torch.Generator().manual_seed(1))
         ref = model(x)
     us = find_units(model)
     by_name = {u.name: u for u in us.units}
     pus = []
     h = x
-    for u in us.units:
+    lo, hi, k = loop or (0, 0, 1)
+    for i, u in enumerate(us.units):
         mod = model.get_submodule(u.name)
         with FlopCounterMode(display=False) as fc, sim.host_memory(), torch.no_grad():
-            h = mod(h)
-        pus.append(PlanUnit(u.name, layout_of(u).nbytes, compute_s=fc.get_total_flops() / FLOPS))
+            h = mod(h)   # (a block's FLOPs do not depend on its input's values)
+        calls = k if lo <= i < hi else 1
+        pus.append(PlanUnit(u.name, layout_of(u).nbytes, calls=calls,
+                            compute_s=calls * fc.get_total_flops() / FLOPS))
     return Case(model, x, ref, pus, by_name.__getitem__)
 
 
@@ -113,15 +126,15 @@ def on_disk(case: Case, plan):
 
 
 def run_calls(sim, case: Case, plan, calls: int = 4, session: bool = True, bps: float = 2e7,
-              latency_s: float = 0.0, disk: float | None = None) -> list[float]:
+              latency_s: float = 0.0, call_host_s: float = 0.0, disk: float | None = None) -> list[float]:
     """Simulated seconds of each of ``calls`` forwards of ``plan`` (from one forward's end on the
-    compute stream to the next one's), outputs checked bit-equal; ``disk``: the read rate of the
-    disk tier (``plan.tiers``)."""
+    compute stream to the next one's), outputs checked bit-equal. ``call_host_s``: the host's own
+    work of each executor call; ``disk``: the read rate of the disk tier (``plan.tiers``)."""
     sim.set_durations(copy_bytes_per_s=bps, op_seconds=flop_seconds(FLOPS), copy_latency_s=latency_s,
-                      disk_bytes_per_s=disk)
+                      call_host_s=call_host_s, disk_bytes_per_s=disk)
     ex = SegmentedExecutor(case.lookup, "cuda", module=case.model)
     out = []
-    t = sim.compute.t
+    t = max(sim.compute.t, sim.host_t)
     with torch.no_grad():
         ctx = ex.session() if session else _null()
         with ctx:
@@ -145,23 +158,30 @@ class _null:
 
 def random_errors(sim, rng, disk: bool = False) -> tuple[float, float | None, tuple]:
     """One random plan (4 to 8 blocks of random widths and passes, each streamed or resident, one
-    or two slots, one of three link speeds, in a session or not; ``disk``: every unit on the disk
-    tier, at one of three read rates) run and predicted: (|error| of the steady call, |error| of a
-    session's first call or None outside one, what was drawn)."""
+    or two slots, one of three link speeds, in a session or not; one plan in three loops over a
+    run of its blocks, 2 to 4 times; ``disk``: every unit on the disk tier, at one of three read
+    rates, and no loop) run and predicted: (|error| of the steady call, |error| of a session's
+    first call or None outside one, what was drawn)."""
     from vramcut_core.planning import timeline
 
     n = rng.randint(4, 8)
     blocks = [Block(rng.choice([64, 128, 256, 512]), rng.choice([1, 1, 2, 6])) for _ in range(n)]
     flags = [rng.choice("SR") for _ in range(n)]
-    flags[rng.randrange(n)] = "S"
+    loop = None
+    if not disk and rng.random() < 1 / 3:
+        lo = rng.randrange(n - 1)
+        loop = (lo, rng.randint(lo + 1, n), rng.randint(2, 4))
+        flags[rng.randrange(*loop[:2])] = "S"   # a streamed group entered on every pass
+    else:
+        flags[rng.randrange(n)] = "S"
     shape, slots, session = " ".join(flags), rng.choice([1, 2]), rng.random() < 0.75
     bps = rng.choice([5e6, 2e7, 1e8])
     rate = rng.choice([2e6, 1e7, 5e7]) if disk else None
-    case = build(sim, blocks)
+    case = build(sim, blocks, loop)
     plan, reads = plan_of(case, shape, slots), None
     if disk:
         plan, reads = on_disk(case, plan)
     times = run_calls(sim, case, plan, calls=3, session=session, bps=bps, disk=rate)
     tl = timeline.predict(plan, bps, session=session, reads=reads, disk_bytes_per_s=rate)
     first = abs(tl.first_s / times[0] - 1) if session else None
-    return abs(tl.step_s / times[-1] - 1), first, (shape, slots, session, bps, rate, times, tl)
+    return abs(tl.step_s / times[-1] - 1), first, (shape, slots, session, bps, loop, rate, times, tl)

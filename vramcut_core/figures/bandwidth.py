@@ -18,6 +18,13 @@ The bandwidth probe times a large copy and a small one (each the best of a few) 
 ``seconds = latency + bytes / bandwidth`` through them: ``bytes_per_s`` and ``latency_s`` (the
 fixed cost of one copy) are cached together, and the timeline charges both.
 
+``executor_call(device, measure)`` keeps the executor's own fixed cost of a call beside them
+(measured by the executor: a call of a plan with no units).
+
+``device_to_device(src, dst)`` measures the link between two GPUs the same way (a large peer copy
+and a small one, as a hop makes them, fitted and cached under the link's name): a placement
+across devices times its hops by it.
+
 Probes run inside the engine's budget: ``max_bytes`` (what the budget leaves when the probe runs)
 sizes each probe's device buffers, counted as the caching allocator rounds them; a probe that
 cannot be sized to fit allocates nothing and answers "no room" (not remembered: a later call with
@@ -146,12 +153,15 @@ def fit_copy(device, nbytes: int = PROBE_BYTES, small: int = SMALL_PROBE_BYTES,
         bufs = (_pinned(nbytes), torch.empty(nbytes, dtype=torch.uint8, device=_placement(dev)))
     else:
         bufs = (torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8, device=dev))
-    big_s = copy_seconds(device, nbytes, repeats, bufs)
     small = min(small, nbytes // 2)
-    small_s = copy_seconds(device, small, repeats, bufs)
-    per_byte = (big_s - small_s) / (nbytes - small) if big_s > small_s else big_s / nbytes
-    latency = max(0.0, small_s - small * per_byte)
-    return 1.0 / per_byte, latency
+    return _fit(nbytes, copy_seconds(device, nbytes, repeats, bufs), small, copy_seconds(device, small, repeats, bufs))
+
+
+def _fit(big: int, big_s: float, small: int, small_s: float) -> tuple[float, float]:
+    """``(bytes_per_s, latency_s)`` of the line through two timed copies (a latency below zero,
+    timing noise, is taken as 0)."""
+    per_byte = (big_s - small_s) / (big - small) if big_s > small_s else big_s / big
+    return 1.0 / per_byte, max(0.0, small_s - small * per_byte)
 
 
 def _device_bytes(nbytes: int) -> int:
@@ -199,6 +209,13 @@ def host_to_device(device, max_bytes: int | None = None) -> dict:
     memory (``probe_bytes``). ``bytes_per_s`` is None when it could not be measured ("no room":
     the budget left too little; asked again later, it measures)."""
     key = device_key(device)
+    n = probe_bytes(max_bytes) if torch.device(device).type == "cuda" else PROBE_BYTES
+    return _fitted(key, {"device": key}, n, lambda m: fit_copy(device, m))
+
+
+def _fitted(key: str, about: dict, n: int, fit: Callable[[int], tuple[float, float]]) -> dict:
+    """``{"bytes_per_s", "latency_s", **about, "source"}`` for ``key``: from memory, the cache
+    file, or ``fit(n)`` now (then cached); "no room" where ``n`` is 0 (not remembered)."""
     with _lock:
         hit = _memo.get(key)
         if hit is not None:
@@ -207,21 +224,28 @@ def host_to_device(device, max_bytes: int | None = None) -> dict:
         if isinstance(cached, dict) and isinstance(cached.get("bytes_per_s"), (int, float)) \
                 and cached["bytes_per_s"] > 0:
             lat = cached.get("latency_s")
-            entry = {"bytes_per_s": float(cached["bytes_per_s"]), "device": key, "source": "cache",
+            entry = {"bytes_per_s": float(cached["bytes_per_s"]), **about, "source": "cache",
                      "latency_s": float(lat) if isinstance(lat, (int, float)) and lat >= 0 else 0.0}
         else:
-            n = probe_bytes(max_bytes) if torch.device(device).type == "cuda" else PROBE_BYTES
             if not n:
-                return {"bytes_per_s": None, "latency_s": None, "device": key, "source": NO_ROOM}
+                return {"bytes_per_s": None, "latency_s": None, **about, "source": NO_ROOM}
             try:
-                bps, lat = fit_copy(device, n)
-                entry = {"bytes_per_s": bps, "latency_s": lat, "device": key, "source": "measured"}
+                bps, lat = fit(n)
+                entry = {"bytes_per_s": bps, "latency_s": lat, **about, "source": "measured"}
                 _write_cache(key, {"bytes_per_s": bps, "latency_s": lat, "probe_bytes": n,
                                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-            except Exception:  # a device that went away: no estimate
-                entry = {"bytes_per_s": None, "latency_s": None, "device": key, "source": "unmeasurable"}
+            except Exception:  # a device that went away, no memory: no estimate
+                entry = {"bytes_per_s": None, "latency_s": None, **about, "source": "unmeasurable"}
         _memo[key] = entry
         return dict(entry)
+
+
+def executor_call(device, measure_now: Callable[[], float]) -> dict:
+    """``{"call_s", "device", "source"}``: the executor's fixed cost of a call on ``device``
+    (``runtime.executor.call_seconds``, run by ``measure_now``) from memory, the cache file, or
+    measured now, kept beside the device's bandwidth figure."""
+    key = device_key(device)
+    return _figure(f"call:{key}", "call_s", {"device": key}, measure_now, {})
 
 
 def cached_latency(device) -> float:
@@ -252,6 +276,46 @@ def cached_host_to_device(device) -> float | None:
     if isinstance(cached, dict) and isinstance(cached.get("bytes_per_s"), (int, float)) and cached["bytes_per_s"] > 0:
         return float(cached["bytes_per_s"])
     return None
+
+
+def peer_key(src, dst) -> str:
+    """A name for the link from device ``src`` to ``dst`` (their models and indices: two GPUs of
+    one model may sit on different links)."""
+    a, b = torch.device(src), torch.device(dst)
+    return f"peer:{device_key(a)}#{a.index}->{device_key(b)}#{b.index}"
+
+
+def peer_seconds(src, dst, nbytes: int, buf: torch.Tensor, repeats: int = PROBE_REPEATS) -> float:
+    """Seconds of a copy of ``nbytes`` of ``buf`` (on ``src``) to device ``dst`` as a hop makes it
+    (``tensor.to``: on the source's current stream, ``runtime.hops``), best of ``repeats``."""
+    a, b = torch.device(src), torch.device(dst)
+    stream = torch.cuda.current_stream(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start.record(stream)
+        out = buf[:max(1, int(nbytes))].to(_placement(b), non_blocking=True, copy=True)
+        end.record(stream)
+        end.synchronize()
+        del out
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return max(best, 1e-9)
+
+
+def device_to_device(src, dst, max_bytes: int | None = None) -> dict:
+    """``{"bytes_per_s", "latency_s", "link", "source"}`` of a copy from CUDA device ``src`` to
+    ``dst`` (the hop of an activation between the devices of a placement): from memory, the cache
+    file, or measured now as ``host_to_device`` (a large copy and a small one, fitted: latency +
+    bytes / bandwidth), its buffers sized to ``max_bytes`` (``probe_bytes``: the room on each
+    device). ``bytes_per_s`` None where it could not be measured."""
+    key = peer_key(src, dst)
+
+    def fit(n: int) -> tuple[float, float]:
+        buf = torch.empty(n, dtype=torch.uint8, device=_placement(torch.device(src)))
+        small = min(SMALL_PROBE_BYTES, n // 2)
+        return _fit(n, peer_seconds(src, dst, n, buf), small, peer_seconds(src, dst, small, buf))
+
+    return _fitted(key, {"link": key}, probe_bytes(max_bytes), fit)
 
 
 def matmul_n(device, dtype, max_bytes: int | None) -> int:

@@ -12,6 +12,11 @@ compute time and a bandwidth; without either the count-based plan is kept.
   for the device (``cached_host_to_device``: never measured here, never assumed).
 * Fixed cost per copy: ``EngineConfig.copy_latency_s``, else the bandwidth probe's fit (cached
   beside the bandwidth) where the bandwidth is the probe's, else 0.
+* Fixed cost of a call: the executor's own work of a call, ``runtime.executor.call_seconds``
+  (a call of a plan with no units), measured once per device and cached beside the bandwidth.
+* Hops between two GPUs (a placement across devices): ``bandwidth.device_to_device``'s figures
+  of the link (rate and fixed cost of a peer copy), measured once within what both devices'
+  budgets leave, cached.
 * Throughput: ``EngineConfig.flops_per_s``, else ``bandwidth.matmul_throughput`` for the device and
   the module's compute dtype (a probe, once per device and dtype, cached), its matrices sized to
   what the budget leaves when it runs (``Figures.room``: the engine's budget less what it holds).
@@ -65,6 +70,9 @@ class Figures:
         self._flops: dict[tuple, float | None] = {}
         # device bytes a probe may take now (the budget less what the engine holds); None: no limit
         self.room: Callable[[], int | None] = lambda: None
+        # the executor's fixed cost of a call, measured on a device (``executor.call_seconds``,
+        # set by the engine: a figure lives below the executor); None: not measured here
+        self.call_probe: Callable[[str], float] | None = None
 
     def flops_per_s(self, config) -> float | None:
         if config.flops_per_s:
@@ -85,6 +93,31 @@ class Figures:
         if config.bandwidth_bytes_per_s:
             return float(config.bandwidth_bytes_per_s)
         return bandwidth.cached_host_to_device(config.device)
+
+    def call_s(self, config) -> float:
+        """The executor's fixed cost of a call on ``config``'s device (``bandwidth.executor_call``:
+        measured once, cached beside the bandwidth); 0 where it is not measured."""
+        probe = self.call_probe
+        if probe is None:
+            return 0.0
+        try:
+            got = bandwidth.executor_call(config.device, lambda: probe(config.device))
+        except Exception:  # a device this build of torch cannot name: no figure
+            return 0.0
+        return got["call_s"] or 0.0
+
+    @staticmethod
+    def link(src: str, dst: str, room: int | None = None) -> tuple[float, float] | None:
+        """``(bytes_per_s, latency_s)`` of a hop from device ``src`` to ``dst`` (two GPUs:
+        ``bandwidth.device_to_device``, measured once with buffers of at most ``room`` bytes on
+        each, cached); None where it is not known."""
+        if torch.device(src).type != "cuda" or torch.device(dst).type != "cuda":
+            return None
+        try:
+            got = bandwidth.device_to_device(src, dst, max_bytes=room)
+        except Exception:  # a device this build of torch cannot name or use: no estimate
+            return None
+        return (got["bytes_per_s"], got["latency_s"] or 0.0) if got["bytes_per_s"] else None
 
     @staticmethod
     def latency_s(config) -> float:

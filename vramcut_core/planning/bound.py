@@ -9,10 +9,11 @@ model's steady step is compute + stalls, and:
   slots and every one of them is copied each step, one after another on the one copy stream: a
   steady step (one that repeats) lasts at least the copy stream's work in it, the streamed
   units' copy time ``X`` (bytes x passes / bandwidth, plus the fixed cost per copy);
-* a copy made when its segment is entered (a looped unit, or every copy where copies do not
-  overlap compute: CPU) is waited for whole: the step is at least ``C`` plus those copies.
+* where copies do not overlap compute (CPU) every copy is waited for whole: the step is at least
+  ``C`` plus the copies. (A looped unit's copies are not: after a loop's first pass its groups
+  are prefetched like any other but the pass's first, ``walk``.)
 
-So ``step >= max(C + X_waited, X)`` per residency (``C + X`` where nothing overlaps), and the
+So ``step >= max(C, X)`` per residency (``C + X`` where nothing overlaps), and the
 bound is that figure's smallest value over the residencies that fit: for each unit that may be
 the largest streamed one (its size is at least one slot; every larger unit is resident), the
 resident bytes are at most the budget less the activations, the units that must stay resident and
@@ -57,8 +58,7 @@ def lower_bound(units: Sequence[PlanUnit], budget: int, bytes_per_s: float, meas
             continue
         least = _least(fit, cap, room, copy)
         if overlap:
-            least_waited = _least(fit, cap, room, lambda u: copy(u) if u.calls > 1 else 0.0)
-            t = max(compute + least_waited, least)
+            t = max(compute, least)
         else:
             t = compute + least
         best = t if best is None or t < best else best

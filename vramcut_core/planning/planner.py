@@ -296,10 +296,12 @@ class UnitPlanner:
                                                      latency_s=lat), source=plan.source)
         return dataclasses.replace(plan, time=self._time(plan, source, bps, overlap, lat))
 
-    @staticmethod
-    def _time(plan: Plan, source: str, bps: float, overlap: bool, lat: float) -> PlanTime:
-        """``plan``'s predicted step (no reads), all-resident step and the bound on any residency's."""
-        predicted = timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat).step_s
+    def _time(self, plan: Plan, source: str, bps: float, overlap: bool, lat: float) -> PlanTime:
+        """``plan``'s predicted step (no reads; the executor's measured cost of a call in it),
+        all-resident step and the bound on any residency's (which the cost of a call, host work
+        that can only delay a call, leaves a bound)."""
+        predicted = timeline.predict(plan, bps, overlap=overlap, session=True, latency_s=lat,
+                                     call_s=self.figures.call_s(self.config)).step_s
         resident = sum(u.compute_s for u in plan.units if u.entered)
         bound = lower_bound(plan.units, plan.budget_bytes, bps, plan.measured, overlap, lat)
         return PlanTime(predicted, resident, source, bound)

@@ -147,7 +147,12 @@ class _Search:
         """(step seconds, bytes streamed, transfers) of residency ``res`` through ``slots`` slots of
         ``slot_bytes``: ``plan.merge_streamed``, ``timeline.plan_steps`` and ``predict`` in one pass
         without building the plan (adjacent resident segments are one step: the timeline runs them
-        back to back). A test holds it equal to ``predict`` on the plan."""
+        back to back). A test holds it equal to ``predict`` on the plan. A looped unit that streams
+        (``walk.looped``): the plan built and timed as ``step_time`` times it (walked entry by entry)."""
+        if self.overlap and any(self.calls[i] > 1 and self.entered[i] and i not in res for i in range(len(self.c))):
+            p = self.plan_of(res, slots, slot_bytes)
+            return (step_time(p, self.bps, True, self.session, self.lat, self.reads, self.disk_bps, self.lane),
+                    p.streamed_bytes_per_forward, p.transfers_per_forward)
         c, wb, w, calls, entered, mergeable = self.c, self.wb, self.w, self.calls, self.entered, self.mergeable
         x, rd = self.x, self.rd
         compute: list[float] = []

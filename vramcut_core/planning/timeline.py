@@ -10,7 +10,19 @@ time, copy time of a streamed segment, read time of its disk-tier units, device)
 prefetch depth, the predicted step time and each segment's stall, the part of its copy (and
 read) that the compute before it did not hide. A disk read is one more lane: the process's one
 reader thread, feeding the copy (``Step.read_s``).
-``predict(plan, bytes_per_s)`` applies it to a plan. The one rule: no figure here is assumed;
+``predict(plan, bytes_per_s)`` applies it to a plan.
+
+What the model covers, each checked against the executor on the simulated accelerator
+(tests/core/test_sim_schedule.py): one and two slots with leading, trailing and interleaved
+resident units, in a session (the first call copies the resident units) and outside one (every
+call copies everything and ends when its copies have); a fixed cost per copy (``latency_s``, the
+bandwidth probe's fit); a fixed cost per call (``call_s``: the executor's own work of a call on
+the host, ``executor.call_seconds``, measured and cached beside the bandwidth); the reader lane
+of disk-tier units; looped units (a forward that enters
+a streamed group several times: ``walk``, the schedule walked entry by entry, since the slots
+then hold what the passes before left there); a placement across devices (``predict_devices``:
+each device's part with its own slots and streams, walked together with the hops between them,
+each a peer copy at its link's measured rate, tests/core/test_sim_hops.py). The one rule: no figure here is assumed;
 times come from a count over a measured throughput, or from a measurement.
 """
 from __future__ import annotations
@@ -19,6 +31,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from .plan import Plan, PlanUnit
+from . import walk
 from .schedule import schedule_of
 
 
@@ -357,18 +370,60 @@ def load_seconds(plan: Plan, bytes_per_s: float, latency_s: float = 0.0, reads: 
 
 def predict(plan: Plan, bytes_per_s: float, overlap: bool = True, session: bool = True,
             latency_s: float = 0.0, reads: Mapping[str, int] | None = None,
-            disk_bytes_per_s: float | None = None, piece_bytes: int | None = None) -> Timeline:
+            disk_bytes_per_s: float | None = None, piece_bytes: int | None = None,
+            call_s: float = 0.0) -> Timeline:
     """The steady step time ``plan`` predicts, and its first call's: its segments through
     ``simulate`` with its slots (two: prefetch depth 1; one: depth 0). ``overlap`` False for CPU
     (copies synchronous; a disk read fills the slot itself); ``latency_s`` the fixed cost of one
     copy; ``reads`` the bytes of each disk-tier unit read per pass at ``disk_bytes_per_s`` (a
     resident one is read when a call begins empty, before its copy); ``piece_bytes`` the bounce
     buffer's piece (CUDA: reads and copies piece by piece; None: the one of the plan's tiers, or
-    a piece per unit)."""
+    a piece per unit); ``call_s`` the executor's own fixed cost of a call
+    (``executor.call_seconds``, measured): on CUDA host work before the call issues anything (the
+    schedule walked with it, ``walk``), on CPU (everything on one thread) added to each call."""
     if piece_bytes is None and overlap and reads:
         t = plan.tiers
         piece_bytes = t.bounce_bytes // 2 if t is not None and t.bounce_bytes else 1 << 62  # (BOUNCE_PIECES)
     steps = plan_steps(plan, bytes_per_s, latency_s=latency_s, reads=reads, disk_bytes_per_s=disk_bytes_per_s,
                        read_copied=overlap, piece_bytes=piece_bytes if overlap else None)
+    if overlap and not reads and (call_s or walk.looped(plan)):  # walked entry by entry
+        calls = walk.call_times(plan, bytes_per_s, session, latency_s, call_s)
+        return _walked(calls, steps, session and schedule_of(plan).held)
     copies, lane = _load_chain(plan, bytes_per_s, latency_s, reads, disk_bytes_per_s, piece_bytes, overlap)
-    return simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: copies}, lane)
+    tl = simulate(steps, max(plan.slots - 1, 0), overlap, session, {0: copies}, lane)
+    if not call_s:
+        return tl
+    return dataclasses.replace(tl, step_s=tl.step_s + call_s, first_s=tl.first_s and tl.first_s + call_s)
+
+
+def _walked(calls: list[tuple[float, tuple[float, ...]]], steps: Sequence[Step], held: bool) -> Timeline:
+    """The ``Timeline`` of calls walked entry by entry (``walk``): its stalls are the steady
+    call's streamed entries', in the order they ran (a looped group once per pass); ``held``:
+    every group stays in its slot (nothing is copied after the first call)."""
+    step_s, stalls = calls[-1]
+    return Timeline(step_s, stalls, tuple(s.copy_s is not None and not held for s in steps),
+                    sum(s.compute_s for s in steps), sum(s.hop_s for s in steps), calls[0][0])
+
+
+def predict_devices(plans: Sequence[Plan], hops: Sequence[tuple[int, int, str, int]], bytes_per_s: float,
+                    links: Mapping[tuple[int, int], tuple[float, float]], session: bool = True,
+                    latency_s: float = 0.0, call_s: float = 0.0) -> Timeline:
+    """The steady call of a forward placed on several devices, and its first: ``plans[d]`` device
+    d's part (in execution order, each with its own slots, copy stream and compute stream), ``hops``
+    the activations that cross between them, ``(source, destination, unit, bytes)`` as the plan
+    JSON lists them (``runtime.hops``: the unit they are moved for, "output" for the forward's
+    output moved home), each a peer copy of its link's ``links[(source, destination)]``:
+    ``(bytes_per_s, latency_s)``, the device-to-device figures ``bandwidth.device_to_device``
+    measures. Walked entry by entry (``walk``): a device's copies overlap the other devices'
+    compute, a hop waits for both devices' compute queued before it; ``call_s`` as ``predict``'s,
+    once per device's executor."""
+    secs = []
+    for a, b, unit, n in hops:
+        rate, lat = links[(a, b)]
+        if not rate or rate <= 0:
+            raise ValueError(f"the link {a}->{b} needs a positive rate, got {rate!r}")
+        secs.append((a, b, unit, lat + n / rate))
+    steps = [s for p in plans for s in plan_steps(p, bytes_per_s, latency_s=latency_s)]
+    calls = walk.walk(list(plans), walk.across(plans, secs), bytes_per_s, session, latency_s, call_s=call_s)
+    return Timeline(calls[-1][0], calls[-1][1], tuple(s.copy_s is not None for s in steps),
+                    sum(s.compute_s for s in steps), sum(h[3] for h in secs), calls[0][0])

@@ -340,3 +340,36 @@ class SegmentedExecutor:
     def _check_live(self, live: int | None = None) -> None:
         self.measuring.check_live(self._running, self._current, live)
 
+
+def call_seconds(device, repeats: int = 5) -> float:
+    """The executor's own cost of a call on ``device``: the seconds a forward of a plan with no
+    units takes (its host work: the schedule walk's start and end, hooks, bindings, its timing),
+    best of ``repeats`` after one to warm up. On CUDA timed by events on the compute stream, left
+    idle first (it then waits for the host alone: what the host's work adds to a call that the
+    device does not hide); on CPU by the clock."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    ex = SegmentedExecutor(lambda name: None, dev)
+    plan = Plan(1, (), (), 0, 0, True)
+    best = float("inf")
+    try:
+        for i in range(repeats + 1):
+            if cuda:
+                stream = torch.cuda.current_stream(dev)
+                stream.synchronize()  # (no hazard: the probe owns no buffer) an idle stream times the host
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                ex.forward(plan, lambda: None)
+                b.record(stream)
+                b.synchronize()
+                t = a.elapsed_time(b) / 1e3
+            else:
+                t0 = time.perf_counter()
+                ex.forward(plan, lambda: None)
+                t = time.perf_counter() - t0
+            if i:
+                best = min(best, t)
+    finally:
+        ex.release()
+    return max(best, 0.0)
+
