@@ -65,6 +65,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import importlib
 import itertools
 import queue
@@ -152,6 +153,17 @@ class SimAllocator:
         return list(self.pools.values())
 
     def alloc(self, n: int, stream_id: int) -> _Block | None:
+        # a garbage collection inside would run storages' finalizers (``free``) on the blocks
+        # being split: none while the pools are walked
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._alloc(n, stream_id)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _alloc(self, n: int, stream_id: int) -> _Block | None:
         if n <= 0:
             return None
         n = (n + ROUND - 1) // ROUND * ROUND
