@@ -165,7 +165,9 @@ def time_rows(name: str, units, options, budgets=BUDGETS_GIB, split_unit=None) -
 def tier_rows(name: str, units, options, pairs=TIER_PAIRS_GIB, split_unit=None) -> list[str]:
     """For each (VRAM, RAM) pair: the plan by time on PCIe 4.0 x16, its host tiers under the RAM
     budget (``tiers.choose``: every weight read from the checkpoint itself, the bounce buffer of a
-    GPU), and the predicted call at each disk's rate (the plan's call plus the reads: none hidden, a bound)."""
+    GPU), and the predicted call at each disk's rate (``timeline.predict`` with the reads: each
+    disk-tier group read when its slot frees, on the reader thread, piece by piece through the
+    bounce buffer feeding its copies)."""
     from vramcut_core.planning.plan import BudgetError, make_plan
     from vramcut_core.planning.residency import by_time
     from vramcut_core.planning.tiers import HostUnit, bounce_for, choose
@@ -185,7 +187,9 @@ def tier_rows(name: str, units, options, pairs=TIER_PAIRS_GIB, split_unit=None) 
             out.append(f"| {name} | {label} | refused (needs {need}) | | | " + " | " * len(DISKS))
             continue
         step = predict(plan, bps).step_s
-        cells = [f"{secs(step + t.disk_bytes_per_call / rate)}" for _, rate in DISKS]
+        tiered = dataclasses.replace(plan, tiers=t)
+        reads = {n: host[n].read_bytes for n in t.disk_units}
+        cells = [f"{secs(predict(tiered, bps, reads=reads, disk_bytes_per_s=rate).step_s)}" for _, rate in DISKS]
         out.append(f"| {name} | {label} | {gib(plan.resident_bytes)} | {gib(t.ram_bytes - t.held_bytes)} | "
                    f"{gib(t.disk_bytes_per_call)} | {secs(step)} | " + " | ".join(cells) + " |")
     return out
@@ -292,10 +296,12 @@ Under `max_ram_gb` each block's host copy is on the GPU (resident: read from the
 RAM (a flat copy, streamed over the link) or read from disk at every call (through the 128 MiB
 page-locked bounce buffer). Planned by time on PCIe 4.0 x16 (`residency.by_time`), the host tiers
 under the RAM budget by `tiers.choose` (every weight read from the checkpoint itself), the reads
-at an NVMe drive's stated sequential rate. The call is counted with no read hidden, the plan's
-call on the link plus the reads: an upper bound (the reader reads a group when its slot frees,
-beside the compute of the groups before it, and feeds its copies; `timeline.predict` with the
-reads models that, this table does not). The RAM budget is per model; the page cache is not counted. Cells:
+at an NVMe drive's stated sequential rate. The call with reads is the timeline's
+(`timeline.predict` with the reads, a steady call in a session): the reader reads a group when
+its slot frees, beside the compute of the groups before it, piece by piece through the bounce
+buffer, and issues each piece's copy as it is read (checked against the executor on the
+simulated accelerator, not measured on a GPU). The tiers are chosen once, not again for each
+drive's rate. The RAM budget is per model; the page cache is not counted. Cells:
 resident bytes, bytes in RAM (the flat copies of streamed blocks), bytes read from disk per call,
 the call without reads, and with them at each drive's rate. Where the RAM budget leaves room, the
 resident blocks' host copies are kept in RAM too (`Tiers.held`, not in the column), so a call
