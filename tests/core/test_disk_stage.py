@@ -16,59 +16,81 @@ from toys import TransformerStack
 from vramcut_core.runtime import disk
 
 
+class ReadGate:
+    """Holds each disk read until a unit of ``model`` has computed after the host issued it (or
+    2 s passed: a host blocked on this read computes nothing meanwhile), and logs (thread, whether
+    it overlapped). Counted from the read's issue, not from when the reader thread begins it: one
+    read queued behind another may begin after the compute that hid it, on a loaded machine. A
+    read issued before ``on()`` (for the call after the last one) is not held nor logged."""
+
+    def __init__(self, model, monkeypatch) -> None:
+        self.computed = [0]  # compute ends seen (forward hooks on every leaf module, the host thread)
+        for m in model.modules():
+            if not list(m.children()):
+                m.register_forward_hook(lambda *_a: self.computed.__setitem__(0, self.computed[0] + 1))
+        self.log: list[tuple[str, bool]] = []
+        self.monkeypatch, self.real, self.issued = monkeypatch, disk.read_into, threading.local()
+
+    def read_into(self, dest, reads):
+        seen = getattr(self.issued, "seen", None)
+        if seen is not None:
+            lock, overlapped = threading.Event(), False
+            for _ in range(400):
+                if self.computed[0] > seen:
+                    overlapped = True
+                    break
+                lock.wait(0.005)
+            self.log.append((threading.current_thread().name, overlapped))
+        return self.real(dest, reads)
+
+    def on(self) -> None:
+        gate, pool = self, disk.reader()
+
+        class IssuedAt:
+            """The reader thread, each job told the compute count when the host issued it."""
+
+            def submit(self, fn, *args):
+                seen = gate.computed[0]
+
+                def job():
+                    gate.issued.seen = seen
+                    try:
+                        return fn(*args)
+                    finally:
+                        gate.issued.seen = None
+                return pool.submit(job)
+
+        issued_at = IssuedAt()
+        self.monkeypatch.setattr(disk, "reader", lambda: issued_at)
+        self.monkeypatch.setattr(disk, "read_into", self.read_into)
+
+    def overlapped(self) -> list[bool]:
+        """Whether each read but the last overlapped compute: the last read is for a call that
+        never comes, and whether units of its call computed after it was issued depends on where
+        in the call its slot freed, so it is not asked."""
+        assert len(self.log) >= 2 and all(name.startswith("vramcut-disk") for name, _ in self.log), \
+            ("on the reader thread", self.log)
+        return [ok for _, ok in self.log[:-1]]
+
+
 def test_cpu_a_disk_group_is_read_while_the_groups_before_it_compute(tmp_path, monkeypatch):
     model = mapped(lambda: TransformerStack(d=64), tmp_path)
     ref = reference()
     eng = cpu_engine(model, 40_000)
-    computed = [0]  # compute ends seen (forward hooks on every leaf module, the host thread)
-    for m in model.modules():
-        if not list(m.children()):
-            m.register_forward_hook(lambda *_a: computed.__setitem__(0, computed[0] + 1))
-    log: list[tuple[str, bool]] = []
-    real = disk.read_into
-
-    def gated(seen, dest, reads):
-        # the read finishes only once a unit's compute has ended after the read was issued (or
-        # 2 s passed: a host blocked on this read computes nothing meanwhile). From its issue, not
-        # from when the reader thread begins it: one read behind another may begin after the
-        # compute that hid it, on a loaded machine
-        lock, overlapped = threading.Event(), False
-        for _ in range(400):
-            if computed[0] > seen:
-                overlapped = True
-                break
-            lock.wait(0.005)
-        log.append((threading.current_thread().name, overlapped))
-        return real(dest, reads)
-
-    class IssuedAt:
-        """The reader thread, each read told the compute count when the host issued it."""
-
-        def __init__(self, pool):
-            self.pool = pool
-
-        def submit(self, fn, *args):
-            if fn is not real:
-                return self.pool.submit(fn, *args)
-            return self.pool.submit(gated, computed[0], *args)
-
+    gate = ReadGate(model, monkeypatch)
     with torch.no_grad(), eng.session():
         for _ in range(2):  # the plan is made and measured; the session's slots are kept
             assert torch.equal(eng.run(model, ids()), ref)
         plan = eng.last_plan
         disk_groups = [g for g in plan.streamed_groups if any(n in plan.tiers.disk_units for n in g)]
         assert plan.slots == 2 and len(disk_groups) >= 3
-        pool = IssuedAt(disk.reader())
-        monkeypatch.setattr(disk, "reader", lambda: pool)
+        gate.on()
         outs = [eng.run(model, ids()) for _ in range(2)]
     assert all(torch.equal(o, ref) for o in outs), "exact output"
     assert eng.last_stats.disk_bytes_read == plan.tiers.disk_bytes_per_call, "the bytes read are the plan's"
-    assert log and all(name.startswith("vramcut-disk") for name, _ in log), "on the reader thread"
     # every read of a steady call overlaps compute: its group's read was issued before the units
-    # ahead of it were done (the next call's first group: read while the next call's first units
-    # run); the last read is for a call that never comes: whether units of its call computed
-    # after it was issued depends on where in the call its slot freed, so it is not asked
-    assert len(log) >= 2 and [ok for _, ok in log[:-1]] == [True] * (len(log) - 1), log
+    # ahead of it were done (the next call's first group: read while the next call's first units run)
+    assert gate.overlapped() == [True] * (len(gate.log) - 1), gate.log
 
 
 # -- the timeline's reader lane and the choice by time -----------------------------------------
@@ -246,51 +268,11 @@ def test_sim_a_disk_group_is_read_while_the_groups_before_it_compute(sim, monkey
     with pytest.raises(RamBudgetError) as e, torch.no_grad():
         eng.run(model, ids())
     eng = cuda_engine(model, eng.config.budget_bytes, ram_budget_bytes=e.value.min_budget_bytes)  # all on disk
-    computed = [0]
-    for m in model.modules():
-        if not list(m.children()):
-            m.register_forward_hook(lambda *_a: computed.__setitem__(0, computed[0] + 1))
-    log: list[tuple[str, bool]] = []
-    real, issued = disk.read_into, threading.local()
-
-    def gated(dest, reads):
-        seen = getattr(issued, "seen", None)
-        if seen is None:  # issued before the gate was put on (for the call after the last one)
-            return real(dest, reads)
-        lock, overlapped = threading.Event(), False
-        for _ in range(400):
-            if computed[0] > seen:
-                overlapped = True
-                break
-            lock.wait(0.005)
-        log.append((threading.current_thread().name, overlapped))
-        return real(dest, reads)
-
-    class IssuedAt:
-        """The reader, each job told the compute count when the host issued it."""
-
-        def __init__(self, pool):
-            self.pool = pool
-
-        def submit(self, fn, *args):
-            seen = computed[0]
-
-            def job():
-                issued.seen = seen
-                try:
-                    return fn(*args)
-                finally:
-                    issued.seen = None
-            return self.pool.submit(job)
-
+    gate = ReadGate(model, monkeypatch)
     with torch.no_grad(), eng.session():
         for _ in range(2):
             assert torch.equal(eng.run(model, ids()), ref)
-        pool = IssuedAt(disk.reader())
-        monkeypatch.setattr(disk, "reader", lambda: pool)
-        monkeypatch.setattr(disk, "read_into", gated)
+        gate.on()
         outs = [eng.run(model, ids()) for _ in range(2)]
     assert all(torch.equal(o, ref) for o in outs), "exact output"
-    assert len(log) >= 4 and all(name.startswith("vramcut-disk") for name, _ in log), "on the reader thread"
-    # the last read is for a call that never comes (see the CPU test)
-    assert [ok for _, ok in log[:-1]] == [True] * (len(log) - 1), log
+    assert len(gate.log) >= 4 and gate.overlapped() == [True] * (len(gate.log) - 1), gate.log
