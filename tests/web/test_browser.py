@@ -752,15 +752,20 @@ def test_a_run_leaves_a_saved_workflow_unchanged(comfy_server, browser):
     assert "error" not in saved, saved
 
     import urllib.request  # /free answers with an empty body
-    req = urllib.request.Request(s.url + "/free", data=json.dumps({"free_memory": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=10).close()  # the next prompt runs every node again
-    # the prompt worker takes the flag when it wakes; a prompt queued at once can run first, from
-    # the cache (under load on 0.3.64: no live plan): let it take the flag
-    time.sleep(2.0)
-    assert browser.execute_async_script(QUEUE_JS, branch, 0) is True
-    st = _wait_run(browser, s, cut, "measured")
-    live = [e for e in st["log"]["events"] if e["type"] == "vramcut.plan" and e["node"].split(":")[-1] == str(cut)]
+    for _ in range(3):
+        req = urllib.request.Request(s.url + "/free", data=json.dumps({"free_memory": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()  # the next prompt runs every node again
+        # the prompt worker takes the flag when it wakes; a prompt queued before it has can run
+        # first, from the cache (no live plan: seen twice on 0.3.64 under load, once after a 2 s
+        # wait): then the flag is taken after that run, and the same unchanged run is queued again
+        time.sleep(2.0)
+        assert browser.execute_async_script(QUEUE_JS, branch, 0) is True
+        st = _wait_run(browser, s, cut, "measured")
+        live = [e for e in st["log"]["events"] if e["type"] == "vramcut.plan"
+                and e["node"].split(":")[-1] == str(cut)]
+        if live:
+            break
     assert live, ("the second run sent no live plan: it did not really run", st["log"]["events"])
     _check_answer_lines(st["data"], s, estimate=None)
     after = browser.execute_script(TRACKER_JS, cut, False)
