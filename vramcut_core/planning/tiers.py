@@ -42,6 +42,7 @@ gets (the residency and the tiers to a fixed point).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping
 
 from .budget import BudgetError, budget_gib, gib_text, need_gib
@@ -88,8 +89,12 @@ class Tiers:
             return None
         return self.disk_bytes_per_call / self.disk_bytes_per_s
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, str]:
+        return dict(self.tier)
+
     def of(self, name: str) -> str | None:
-        return dict(self.tier).get(name)
+        return self._by_name.get(name)
 
     @property
     def disk_units(self) -> tuple[str, ...]:

@@ -236,6 +236,23 @@ class BounceBuffer:
     def read_by(self, k: int, stream, done) -> None:
         self._pieces[k].readers[id(stream)] = done
 
+    def pass_through(self, buf: torch.Tensor, base: int, nbytes: int, copy_stream,
+                     fill: Callable[[torch.Tensor, int, int], None]) -> None:
+        """Copy ``nbytes`` into ``buf`` from byte ``base`` piece by piece through the buffer:
+        ``fill(piece, lo, hi)`` writes bytes [lo, hi) into a piece (a disk read, or the host's
+        fill from a mapping), its copy is issued on ``copy_stream`` and an event per piece says
+        when it may be filled again (``take``). Under ``lock``: the process's executors share the
+        pieces and the order they are taken in."""
+        with self.lock:
+            for lo in range(0, nbytes, self.piece):
+                hi = min(lo + self.piece, nbytes)
+                piece, k = self.take()
+                fill(piece[:hi - lo], lo, hi)
+                buf[base + lo:base + hi].copy_(piece[:hi - lo], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+                self.read_by(k, copy_stream, done)
+
 
 class _BouncePiece:
     def __init__(self, buf: torch.Tensor, place: torch.device) -> None:

@@ -165,15 +165,8 @@ class ReadStage:
         (once the piece's last copy is done: ``take``), its copy into ``buf`` issued, the next
         piece read while it runs. The bounce buffer is the process's: its lock keeps another
         executor's pass from taking its pieces meanwhile."""
-        with bounce.lock:
-            for lo in range(0, nbytes, bounce.piece):
-                hi = min(lo + bounce.piece, nbytes)
-                src, k = bounce.take()
-                disk.read_into(src, disk.clip(reads, lo, hi))
-                buf[base + lo:base + hi].copy_(src[:hi - lo], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-                bounce.read_by(k, self.copy_stream, done)
+        bounce.pass_through(buf, base, nbytes, self.copy_stream,
+                            lambda piece, lo, hi: disk.read_into(piece, disk.clip(reads, lo, hi)))
 
     @staticmethod
     def pageable(nbytes: int) -> list[torch.Tensor]:

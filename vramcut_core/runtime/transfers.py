@@ -339,20 +339,17 @@ def _through_bounce(unit, lay, host: Callable[[int], torch.Tensor], buf: torch.T
     spans += [(off, n, p) for i, sp in lay.quant.items()
               for (off, n), p in zip(sp, quant.parts(unit.tensors[i].tensor))]
     spans = [(off, n, src.reshape(-1).view(torch.uint8)) for off, n, src in sorted(spans, key=lambda x: x[0])]
-    with bounce.lock:  # (the reader thread may be passing another executor's unit through it)
-        for lo in range(0, lay.nbytes, bounce.piece):
-            hi = min(lo + bounce.piece, lay.nbytes)
-            piece, k = bounce.take()
-            # the fill is host work, done at once: it is no copy the copy stream queues
-            with torch.cuda.stream(compute):
-                for off, n, src in spans:
-                    a, b = max(off, lo), min(off + n, hi)
-                    if a < b:
-                        piece[a - lo:b - lo].copy_(src[a - off:b - off])
-            buf[base + lo:base + hi].copy_(piece[:hi - lo], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(copy_stream)
-            bounce.read_by(k, copy_stream, done)
+
+    def fill(piece: torch.Tensor, lo: int, hi: int) -> None:
+        # the fill is host work, done at once: it is no copy the copy stream queues
+        with torch.cuda.stream(compute):
+            for off, n, src in spans:
+                a, b = max(off, lo), min(off + n, hi)
+                if a < b:
+                    piece[a - lo:b - lo].copy_(src[a - off:b - off])
+
+    # (the reader thread may be passing another executor's unit through it: ``pass_through`` locks)
+    bounce.pass_through(buf, base, lay.nbytes, copy_stream, fill)
 
 
 def _copy_flat(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
